@@ -1,0 +1,405 @@
+"""The host pool: one shared-memory segment per replica holding its offloaded blocks.
+
+Layout of the segment `/dev/shm/distkv-<namespace>-<replica>` (mode 0600):
+
+    page 0          superblock: magic, then the PoolLayout it was created with
+    headers         num_ranks x num_rows headers of HEADER_BYTES, page-padded
+    payload         rank 0: num_rows slots of slot_bytes, then rank 1, ...
+
+A row holds one offloaded block; each worker rank writes its own slot of the row.
+Slots of one rank are contiguous (rank-major) so that a worker pins only its own region
+and consecutive rows coalesce into one copy.
+
+Every slot has a header (key, generation, checksum of its payload) that any reader
+can validate. Writers zero the generation before touching the payload and write it
+last; a reader that sees the generation it expects before and after its copy, and a
+matching checksum, has read the block that was sealed, never a torn or reused one.
+
+Liveness is an flock: every process using a segment holds a shared lock on it, so a
+segment nobody can lock exclusively belongs to someone alive, and one that can be
+locked was left by killed processes and is reclaimed.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import logging
+import mmap
+import os
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import xxhash
+
+from distkv.abstract import BlockIDsLoadStoreSpec, OffloadKey
+
+logger = logging.getLogger(__name__)
+
+PAGE_BYTES = mmap.PAGESIZE
+SHM_DIR = "/dev/shm"
+SEGMENT_PREFIX = "distkv-"
+MAGIC = b"DISTKV\x00\x01"
+HEADER_BYTES = 128
+MAX_KEY_BYTES = HEADER_BYTES - 32
+# cudaHostRegister fails on very large ranges; pin in pieces of at most this size.
+MAX_PIN_BYTES = 64 << 30
+
+# header layout, as uint64 words: generation, checksum, nbytes, key_len; key bytes follow
+_GEN, _SUM, _NBYTES, _KEYLEN = range(4)
+_NAME_RE = re.compile(r"^[A-Za-z0-9_.]+$")
+
+
+def page_align(nbytes: int) -> int:
+    return -(-nbytes // PAGE_BYTES) * PAGE_BYTES
+
+
+def checksum(payload: np.ndarray) -> int:
+    """The checksum stored in slot headers: xxh3-64 of the payload bytes."""
+    return xxhash.xxh3_64_intdigest(memoryview(payload))
+
+
+class PoolLoadStoreSpec(BlockIDsLoadStoreSpec):
+    """Rows of a host pool, with the key and generation each row holds (or will hold).
+
+    Store handlers seal the rows' headers with them; load handlers check them.
+    """
+
+    def __init__(self, rows: Sequence[int] | np.ndarray, keys: Sequence[OffloadKey], generations: Sequence[int] | np.ndarray):
+        super().__init__(rows)
+        self.keys = list(keys)
+        self.generations = np.array(generations, dtype=np.uint64)
+        if not len(self.keys) == len(self.generations) == len(self.block_ids):
+            raise ValueError(
+                f"PoolLoadStoreSpec: {len(self.block_ids)} rows, {len(self.keys)} keys "
+                f"and {len(self.generations)} generations must be as many"
+            )
+
+    @staticmethod
+    def medium() -> str:
+        return "CPU"
+
+
+@dataclass(frozen=True)
+class PoolLayout:
+    """Shape of a pool: rows (blocks) x ranks (worker slots) of slot_bytes each."""
+
+    num_rows: int
+    num_ranks: int
+    slot_bytes: int
+
+    def __post_init__(self) -> None:
+        if self.num_rows < 1:
+            raise ValueError(f"PoolLayout: num_rows={self.num_rows}, the pool holds no block")
+        if self.num_ranks < 1:
+            raise ValueError(f"PoolLayout: num_ranks={self.num_ranks} must be at least 1")
+        if self.slot_bytes < 1 or self.slot_bytes % PAGE_BYTES:
+            raise ValueError(
+                f"PoolLayout: slot_bytes={self.slot_bytes} must be a positive multiple of the "
+                f"page size {PAGE_BYTES}"
+            )
+
+    @classmethod
+    def for_capacity(cls, capacity_bytes: int, num_ranks: int, block_bytes_per_rank: int) -> "PoolLayout":
+        """The most rows of `block_bytes_per_rank` (page-aligned) that fit in `capacity_bytes`."""
+        if block_bytes_per_rank < 1:
+            raise ValueError(f"block_bytes_per_rank={block_bytes_per_rank} must be positive")
+        slot_bytes = page_align(block_bytes_per_rank)
+        row_bytes = slot_bytes * max(num_ranks, 1)
+        num_rows = capacity_bytes // row_bytes
+        if num_rows < 1:
+            raise ValueError(
+                f"pool of {capacity_bytes} bytes is smaller than one block "
+                f"({num_ranks} rank(s) x {slot_bytes} bytes): raise cpu_bytes_to_use"
+            )
+        return cls(num_rows, num_ranks, slot_bytes)
+
+    @property
+    def headers_offset(self) -> int:
+        return PAGE_BYTES
+
+    @property
+    def payload_offset(self) -> int:
+        return self.headers_offset + page_align(self.num_ranks * self.num_rows * HEADER_BYTES)
+
+    @property
+    def rank_bytes(self) -> int:
+        return self.num_rows * self.slot_bytes
+
+    @property
+    def total_bytes(self) -> int:
+        return self.payload_offset + self.num_ranks * self.rank_bytes
+
+    def pack(self) -> bytes:
+        return MAGIC + np.array([self.num_rows, self.num_ranks, self.slot_bytes], dtype="<u8").tobytes()
+
+    @classmethod
+    def unpack(cls, raw: bytes) -> "PoolLayout | None":
+        if raw[: len(MAGIC)] != MAGIC:
+            return None
+        rows, ranks, slot = np.frombuffer(raw[len(MAGIC) : len(MAGIC) + 24], dtype="<u8")
+        return cls(int(rows), int(ranks), int(slot))
+
+
+def segment_name(namespace: str, replica: str) -> str:
+    for what, value in (("namespace", namespace), ("replica", replica)):
+        if not _NAME_RE.match(value):
+            raise ValueError(
+                f"pool {what} {value!r} may hold only letters, digits, '_' and '.'"
+            )
+    return f"{SEGMENT_PREFIX}{namespace}-{replica}"
+
+
+def pin_ranges(offset: int, num_rows: int, slot_bytes: int, max_piece: int = MAX_PIN_BYTES) -> list[tuple[int, int]]:
+    """(offset, size) pieces of at most max_piece covering num_rows slots from offset.
+
+    Pieces end on slot boundaries so that no single slot copy straddles two registrations.
+    """
+    rows_per_piece = max(max_piece // slot_bytes, 1)
+    return [
+        (offset + first * slot_bytes, min(rows_per_piece, num_rows - first) * slot_bytes)
+        for first in range(0, num_rows, rows_per_piece)
+    ]
+
+
+def reclaim_stale_segments(shm_dir: str = SHM_DIR) -> list[str]:
+    """Remove distkv segments that no live process holds; returns their names."""
+    reclaimed = []
+    try:
+        names = [n for n in os.listdir(shm_dir) if n.startswith(SEGMENT_PREFIX)]
+    except FileNotFoundError:
+        return reclaimed
+    for name in names:
+        path = os.path.join(shm_dir, name)
+        try:
+            fd = os.open(path, os.O_RDWR)
+        except OSError:
+            continue  # gone already, or another user's
+        try:
+            if os.fstat(fd).st_uid != os.getuid():
+                continue
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(fd)
+            continue  # held by a live process
+        try:
+            # Attachers re-check the inode after locking, so unlinking under our lock is safe.
+            if os.stat(path).st_ino == os.fstat(fd).st_ino:
+                os.unlink(path)
+                reclaimed.append(name)
+        except FileNotFoundError:
+            pass
+        finally:
+            os.close(fd)
+    if reclaimed:
+        logger.info("reclaimed %d stale shared-memory segment(s): %s", len(reclaimed), reclaimed)
+    return reclaimed
+
+
+class HostPool:
+    """A replica's pool segment, created by the first process that opens it.
+
+    Every process of the replica (the scheduler's manager, each worker) opens it with
+    the same name and layout. The last one to close it removes it.
+    """
+
+    def __init__(self, name: str, layout: PoolLayout, shm_dir: str = SHM_DIR, create: bool = True):
+        """Open the segment `name`, creating it if absent and `create` (else FileNotFoundError)."""
+        self.name = name
+        self.layout = layout
+        self.path = os.path.join(shm_dir, name)
+        self._shm_dir = shm_dir
+        self._fd = self._open(create)
+        try:
+            self._check_superblock()
+            self._mmap = mmap.mmap(self._fd, layout.total_bytes)
+        except BaseException:
+            os.close(self._fd)
+            raise
+        buf = np.frombuffer(self._mmap, dtype=np.uint8)
+        headers = buf[layout.headers_offset : layout.headers_offset + layout.num_ranks * layout.num_rows * HEADER_BYTES]
+        self._headers = headers.reshape(layout.num_ranks, layout.num_rows, HEADER_BYTES)
+        self._words = self._headers.view("<u8")  # (ranks, rows, HEADER_BYTES // 8)
+        payload = buf[layout.payload_offset : layout.total_bytes]
+        self.payload = payload.reshape(layout.num_ranks, layout.num_rows, layout.slot_bytes)
+        self._closed = False
+
+    # ---- opening -------------------------------------------------------------------
+
+    def _open(self, create: bool) -> int:
+        for _ in range(5):
+            fd = self._attach()
+            if fd is None:
+                if not create:
+                    raise FileNotFoundError(f"no pool segment {self.path}")
+                reclaim_stale_segments(self._shm_dir)
+                fd = self._create()
+            if fd is not None:
+                return fd
+        raise RuntimeError(f"could not open pool segment {self.path}: it kept being replaced")
+
+    def _attach(self) -> int | None:
+        try:
+            fd = os.open(self.path, os.O_RDWR)
+        except FileNotFoundError:
+            return None
+        fcntl.flock(fd, fcntl.LOCK_SH)
+        try:
+            if os.stat(self.path).st_ino == os.fstat(fd).st_ino:
+                return fd
+        except FileNotFoundError:
+            pass
+        os.close(fd)  # reclaimed between our open and our lock
+        return None
+
+    def _create(self) -> int | None:
+        size = self.layout.total_bytes
+        free = os.statvfs(self._shm_dir)
+        if free.f_bavail * free.f_frsize < size:
+            raise ValueError(
+                f"pool needs {size} bytes of shared memory but {self._shm_dir} has "
+                f"{free.f_bavail * free.f_frsize} free: lower cpu_bytes_to_use or enlarge "
+                f"{self._shm_dir} (docker: --shm-size)"
+            )
+        tmp = f"{self.path}.{os.getpid()}.tmp"
+        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH)
+            # Reserve the pages now: a later page fault on a full tmpfs would be a SIGBUS.
+            os.posix_fallocate(fd, 0, size)
+            os.pwrite(fd, self.layout.pack(), 0)
+            try:
+                os.link(tmp, self.path)  # publish atomically, already initialized
+            except FileExistsError:
+                os.close(fd)
+                return None  # another process of the replica won the race: attach to it
+            except FileNotFoundError:
+                os.close(fd)
+                return None  # reclaimed before we locked it: start over
+            return fd
+        except OSError as e:
+            os.close(fd)
+            if e.errno == errno.ENOSPC:
+                raise ValueError(
+                    f"{self._shm_dir} ran out of space reserving {size} bytes for the pool: "
+                    "lower cpu_bytes_to_use or enlarge it"
+                ) from e
+            raise
+        finally:
+            try:
+                os.unlink(tmp)
+            except FileNotFoundError:
+                pass
+
+    def _check_superblock(self) -> None:
+        found = PoolLayout.unpack(os.pread(self._fd, PAGE_BYTES, 0))
+        if found != self.layout:
+            raise ValueError(
+                f"pool segment {self.path} has layout {found}, this process expects "
+                f"{self.layout}: every process of a replica must use the same configuration"
+            )
+
+    # ---- headers -------------------------------------------------------------------
+
+    def begin_write(self, rank: int, rows: np.ndarray) -> None:
+        """Invalidate the headers of rows about to be overwritten, before any payload byte."""
+        self._words[rank, rows, _GEN] = 0
+
+    def seal(
+        self,
+        rank: int,
+        rows: np.ndarray,
+        keys: Sequence[bytes],
+        generations: np.ndarray,
+        nbytes: int,
+        checksums: Sequence[int] | None = None,
+    ) -> None:
+        """Write the headers of freshly written rows: checksum and key first, generation last.
+
+        `checksums`, when the caller has just verified the payload against them, saves
+        computing them again.
+        """
+        words = self._words[rank]
+        for i, (row, key, gen) in enumerate(zip(rows.tolist(), keys, generations.tolist())):
+            if len(key) > MAX_KEY_BYTES:
+                raise ValueError(f"key of {len(key)} bytes exceeds the header's {MAX_KEY_BYTES}")
+            words[row, _SUM] = checksum(self.payload[rank, row, :nbytes]) if checksums is None else checksums[i]
+            words[row, _NBYTES] = nbytes
+            words[row, _KEYLEN] = len(key)
+            self._headers[rank, row, 32 : 32 + len(key)] = np.frombuffer(key, dtype=np.uint8)
+            words[row, _GEN] = gen
+
+    def generation(self, rank: int, row: int) -> int:
+        return int(self._words[rank, row, _GEN])
+
+    def holds(self, rank: int, row: int, key: bytes, generation: int) -> bool:
+        """Cheap check: the header names this key at this generation."""
+        words = self._words[rank, row]
+        return (
+            generation != 0
+            and int(words[_GEN]) == generation
+            and int(words[_KEYLEN]) == len(key)
+            and self._headers[rank, row, 32 : 32 + len(key)].tobytes() == key
+        )
+
+    def verify(self, rank: int, row: int, key: bytes, generation: int) -> bool:
+        """Full check in place: header names key@generation and the payload matches its checksum."""
+        if not self.holds(rank, row, key, generation):
+            return False
+        words = self._words[rank, row]
+        ok = checksum(self.payload[rank, row, : int(words[_NBYTES])]) == int(words[_SUM])
+        return ok and int(words[_GEN]) == generation
+
+    def read(self, rank: int, row: int, key: bytes, generation: int, out: np.ndarray) -> tuple[int, int] | None:
+        """Copy a sealed slot into out: (nbytes, checksum), or None if it is not key@generation.
+
+        Safe against a concurrent writer: the copy is checked, not the pool.
+        """
+        if not self.holds(rank, row, key, generation):
+            return None
+        words = self._words[rank, row]
+        nbytes = int(words[_NBYTES])
+        expected = int(words[_SUM])
+        if nbytes > out.nbytes:
+            return None
+        out[:nbytes] = self.payload[rank, row, :nbytes]
+        if int(words[_GEN]) != generation or checksum(out[:nbytes]) != expected:
+            return None
+        return nbytes, expected
+
+    def rank_address(self, rank: int) -> int:
+        """Host address of rank's first slot (for pinning and raw copies)."""
+        return self.payload[rank].ctypes.data
+
+    # ---- closing -------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Detach; the last process attached removes the segment."""
+        if self._closed:
+            return
+        self._closed = True
+        del self._headers, self._words, self.payload
+        try:
+            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            last = True
+        except OSError:
+            last = False
+        if last:
+            try:
+                if os.stat(self.path).st_ino == os.fstat(self._fd).st_ino:
+                    os.unlink(self.path)
+            except FileNotFoundError:
+                pass
+        try:
+            self._mmap.close()
+        except BufferError:
+            pass  # views handed out (torch tensors) still map it; the GC unmaps it later
+        os.close(self._fd)
+
+    def __enter__(self) -> "HostPool":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

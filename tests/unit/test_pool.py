@@ -1,0 +1,182 @@
+import os
+import signal
+import stat
+import subprocess
+import sys
+import textwrap
+import uuid
+
+import numpy as np
+import pytest
+
+from distkv.pool import (
+    MAX_KEY_BYTES,
+    PAGE_BYTES,
+    HostPool,
+    PoolLayout,
+    pin_ranges,
+    reclaim_stale_segments,
+    segment_name,
+)
+
+KEY_A = b"a" * 32 + b"\0\0\0\0"
+KEY_B = b"b" * 32 + b"\0\0\0\1"
+
+
+@pytest.fixture
+def name():
+    n = segment_name("test" + uuid.uuid4().hex[:12], "r0")
+    yield n
+    try:
+        os.unlink(os.path.join("/dev/shm", n))
+    except FileNotFoundError:
+        pass
+
+
+@pytest.fixture
+def pool(name):
+    p = HostPool(name, PoolLayout(num_rows=8, num_ranks=2, slot_bytes=2 * PAGE_BYTES))
+    yield p
+    p.close()
+
+
+def store(pool, rank, row, key, gen, fill):
+    rows = np.array([row])
+    pool.begin_write(rank, rows)
+    pool.payload[rank, row, :] = fill
+    pool.seal(rank, rows, [key], np.array([gen], dtype=np.uint64), pool.layout.slot_bytes)
+
+
+def test_segment_is_private_to_its_user(pool):
+    st = os.stat(pool.path)
+    assert stat.S_IMODE(st.st_mode) == 0o600
+    assert st.st_uid == os.getuid()
+
+
+def test_sealed_slot_verifies_and_reads_back(pool):
+    store(pool, 1, 3, KEY_A, 7, 0x5A)
+    assert pool.verify(1, 3, KEY_A, 7)
+    out = np.empty(pool.layout.slot_bytes, dtype=np.uint8)
+    assert pool.read(1, 3, KEY_A, 7, out)[0] == pool.layout.slot_bytes
+    assert (out == 0x5A).all()
+    # the other rank's slot of the same row is untouched
+    assert not pool.verify(0, 3, KEY_A, 7)
+
+
+def test_header_catches_changed_generation_and_key(pool):
+    store(pool, 0, 2, KEY_A, 7, 1)
+    out = np.empty(pool.layout.slot_bytes, dtype=np.uint8)
+    assert not pool.verify(0, 2, KEY_A, 8)
+    assert pool.read(0, 2, KEY_A, 8, out) is None
+    assert not pool.verify(0, 2, KEY_B, 7)
+    store(pool, 0, 2, KEY_B, 9, 2)  # row reused for another block
+    assert not pool.verify(0, 2, KEY_A, 7)
+    assert pool.read(0, 2, KEY_A, 7, out) is None
+
+
+def test_header_catches_corrupted_payload(pool):
+    store(pool, 0, 5, KEY_A, 11, 3)
+    pool.payload[0, 5, 100] ^= 0xFF
+    assert pool.holds(0, 5, KEY_A, 11)  # the cheap check cannot see it...
+    assert not pool.verify(0, 5, KEY_A, 11)  # ...the checksum does
+    out = np.empty(pool.layout.slot_bytes, dtype=np.uint8)
+    assert pool.read(0, 5, KEY_A, 11, out) is None
+
+
+def test_slot_being_rewritten_is_never_read(pool):
+    store(pool, 0, 1, KEY_A, 4, 9)
+    pool.begin_write(0, np.array([1]))
+    out = np.empty(pool.layout.slot_bytes, dtype=np.uint8)
+    assert pool.read(0, 1, KEY_A, 4, out) is None
+
+
+def test_second_process_attaches_and_last_close_removes(name):
+    layout = PoolLayout(num_rows=4, num_ranks=1, slot_bytes=PAGE_BYTES)
+    a = HostPool(name, layout)
+    b = HostPool(name, layout)
+    store(a, 0, 0, KEY_A, 1, 42)
+    assert b.verify(0, 0, KEY_A, 1)  # same memory
+    a.close()
+    assert os.path.exists(b.path)
+    b.close()
+    assert not os.path.exists(b.path)
+
+
+def test_layout_mismatch_is_a_clear_error(name):
+    a = HostPool(name, PoolLayout(num_rows=4, num_ranks=1, slot_bytes=PAGE_BYTES))
+    try:
+        with pytest.raises(ValueError, match="same configuration"):
+            HostPool(name, PoolLayout(num_rows=8, num_ranks=1, slot_bytes=PAGE_BYTES))
+    finally:
+        a.close()
+
+
+def test_segment_of_killed_process_is_reclaimed(name):
+    child = textwrap.dedent(
+        f"""
+        import sys, time
+        from distkv.pool import HostPool, PoolLayout, PAGE_BYTES
+        p = HostPool({name!r}, PoolLayout(4, 1, PAGE_BYTES))
+        print("ready", flush=True)
+        time.sleep(60)
+        """
+    )
+    proc = subprocess.Popen([sys.executable, "-c", child], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "ready"
+        path = os.path.join("/dev/shm", name)
+        assert os.path.exists(path)
+        assert name not in reclaim_stale_segments()  # alive: never taken
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        assert os.path.exists(path)  # SIGKILL ran no cleanup
+        other = segment_name("test" + uuid.uuid4().hex[:12], "r0")
+        with HostPool(other, PoolLayout(1, 1, PAGE_BYTES)):  # any start reclaims
+            assert not os.path.exists(path)
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(num_rows=0, num_ranks=1, slot_bytes=PAGE_BYTES), "num_rows"),
+        (dict(num_rows=1, num_ranks=0, slot_bytes=PAGE_BYTES), "num_ranks"),
+        (dict(num_rows=1, num_ranks=1, slot_bytes=100), "slot_bytes"),
+    ],
+)
+def test_bad_layout(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        PoolLayout(**kwargs)
+
+
+def test_pool_smaller_than_one_block():
+    with pytest.raises(ValueError, match="smaller than one block"):
+        PoolLayout.for_capacity(capacity_bytes=1 << 20, num_ranks=2, block_bytes_per_rank=1 << 20)
+    layout = PoolLayout.for_capacity(capacity_bytes=10 << 20, num_ranks=2, block_bytes_per_rank=(1 << 20) + 1)
+    assert layout.slot_bytes == (1 << 20) + PAGE_BYTES
+    assert layout.num_rows == (10 << 20) // (2 * layout.slot_bytes)
+
+
+def test_bad_names():
+    with pytest.raises(ValueError, match="namespace"):
+        segment_name("../etc", "r0")
+    with pytest.raises(ValueError, match="replica"):
+        segment_name("ns", "a/b")
+
+
+def test_oversized_key_is_refused(pool):
+    with pytest.raises(ValueError, match="exceeds"):
+        pool.seal(0, np.array([0]), [b"x" * (MAX_KEY_BYTES + 1)], np.array([1], dtype=np.uint64), 16)
+
+
+def test_pin_ranges_cover_rows_in_bounded_pieces():
+    slot = 3 * PAGE_BYTES
+    pieces = pin_ranges(offset=PAGE_BYTES, num_rows=10, slot_bytes=slot, max_piece=4 * slot + 1)
+    assert pieces == [
+        (PAGE_BYTES, 4 * slot),
+        (PAGE_BYTES + 4 * slot, 4 * slot),
+        (PAGE_BYTES + 8 * slot, 2 * slot),
+    ]
+    assert all(size <= 4 * slot + 1 and (off - PAGE_BYTES) % slot == 0 for off, size in pieces)
