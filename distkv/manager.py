@@ -1,0 +1,299 @@
+"""The scheduler-side OffloadingManager of one host pool: which block sits in which row."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Collection, Iterable
+
+from distkv.abstract import (
+    OffloadingEvent,
+    OffloadingManager,
+    OffloadKey,
+    PrepareStoreOutput,
+    ReqContext,
+)
+from distkv.policies import make_policy
+from distkv.pool import MAX_KEY_BYTES, PoolLoadStoreSpec
+
+# A key is a block hash (at least one byte) and a 4-byte group index, and must fit a row header.
+MIN_KEY_BYTES = 5
+
+
+def key_problem(key: object) -> str | None:
+    """What makes `key` unusable as an OffloadKey, or None if it is fine."""
+    if not isinstance(key, bytes):
+        return f"offload key {key!r} is a {type(key).__name__}, not bytes"
+    if not MIN_KEY_BYTES <= len(key) <= MAX_KEY_BYTES:
+        return (
+            f"offload key {key!r} is {len(key)} bytes long, "
+            f"not {MIN_KEY_BYTES}..{MAX_KEY_BYTES}"
+        )
+    return None
+
+
+def check_keys(keys: Iterable[object]) -> None:
+    """Raise ValueError naming the first key of `keys` that is not a valid OffloadKey."""
+    for key in keys:
+        problem = key_problem(key)
+        if problem is not None:
+            raise ValueError(problem)
+
+
+class _Block:
+    """A block in a pool row. refs: -1 while its store is in flight, else the loads reading it."""
+
+    __slots__ = ("row", "generation", "refs")
+
+    def __init__(self, row: int, generation: int, refs: int) -> None:
+        self.row = row
+        self.generation = generation
+        self.refs = refs
+
+
+class LocalOffloadingManager(OffloadingManager):
+    """Keeps up to `num_rows` blocks in the rows of one pool, evicting by `policy`.
+
+    Every stored block gets a fresh generation from a counter that starts at the wall
+    clock in nanoseconds, so a row's header never shows a generation that an earlier
+    process (or an earlier block of this one) sealed. A block is evictable only while
+    it is ready and not pinned by a load.
+
+    reset_cache drops every block at once. Completions of the jobs it interrupted are
+    ignored: complete_store of a dropped key finds nothing in flight, and complete_load
+    spends the pins the reset dropped (after any pin of a live block of the same key, so
+    that a block stored again is never held by a load that will not come back).
+    """
+
+    def __init__(self, num_rows: int, policy: str = "lru", medium: str = "CPU") -> None:
+        if not isinstance(num_rows, int) or num_rows < 1:
+            raise ValueError(f"num_rows={num_rows!r}: the pool needs at least one row")
+        self._num_rows = num_rows
+        self._medium = medium
+        self._policy = make_policy(policy, num_rows)
+        self._blocks: dict[OffloadKey, _Block] = {}
+        # popped from the end, so rows are first handed out in increasing order
+        self._free_rows = list(range(num_rows - 1, -1, -1))
+        # ready blocks no load pins
+        self._num_evictable = 0
+        self._next_generation = time.time_ns()
+        self._events: list[OffloadingEvent] = []
+        # pins that reset_cache dropped with their blocks, for the loads still to complete
+        self._dropped_pins: dict[OffloadKey, int] = {}
+
+    @property
+    def num_rows(self) -> int:
+        return self._num_rows
+
+    @property
+    def num_free_rows(self) -> int:
+        return len(self._free_rows)
+
+    def block(self, key: OffloadKey) -> tuple[int, int] | None:
+        """(row, generation) of the ready block `key`, or None if it is not ready here."""
+        block = self._get_block(key)
+        if block is None or block.refs < 0:
+            return None
+        return block.row, block.generation
+
+    def ready_keys(self) -> list[OffloadKey]:
+        """The keys of every ready block."""
+        return [key for key, block in self._blocks.items() if block.refs >= 0]
+
+    def _get_block(self, key: OffloadKey) -> _Block | None:
+        try:
+            block = self._blocks.get(key)
+        except TypeError:  # unhashable: reported below as the bad key it is
+            block = None
+        if block is None:
+            problem = key_problem(key)
+            if problem is not None:
+                raise ValueError(problem)
+        return block
+
+    def lookup(self, key: OffloadKey, req_context: ReqContext) -> bool | None:
+        try:
+            block = self._blocks.get(key)
+        except TypeError:
+            block = None
+        if block is None:
+            problem = key_problem(key)
+            if problem is not None:
+                raise ValueError(problem)
+            return False
+        # True when ready, None (retry later) while its store is in flight
+        return block.refs >= 0 or None
+
+    def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> PoolLoadStoreSpec:
+        blocks = self._blocks
+        pinned: list[_Block] = []
+        try:
+            for key in keys:
+                block = blocks.get(key)
+                if block is None or block.refs < 0:
+                    break
+                if block.refs == 0:
+                    self._num_evictable -= 1
+                block.refs += 1
+                pinned.append(block)
+            else:
+                return PoolLoadStoreSpec(
+                    [block.row for block in pinned], keys, [block.generation for block in pinned]
+                )
+            problem = key_problem(key) or (
+                f"offload key {key!r} is not stored" if block is None
+                else f"offload key {key!r} is still being stored"
+            )
+        except TypeError:
+            problem = key_problem(key)
+        for block in pinned:
+            block.refs -= 1
+            if block.refs == 0:
+                self._num_evictable += 1
+        raise ValueError(f"prepare_load: {problem}")
+
+    def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
+        check_keys(keys)
+        self._policy.touch(keys if isinstance(keys, (list, tuple)) else list(keys))
+
+    def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
+        blocks = self._blocks
+        released: list[_Block] = []
+        released_dropped: list[OffloadKey] = []
+        try:
+            for key in keys:
+                block = blocks.get(key)
+                if block is not None and block.refs > 0:
+                    block.refs -= 1
+                    if block.refs == 0:
+                        self._num_evictable += 1
+                    released.append(block)
+                elif self._dropped_pins.get(key):
+                    self._release_dropped_pin(key)
+                    released_dropped.append(key)
+                else:
+                    break
+            else:
+                return
+            problem = key_problem(key) or f"offload key {key!r} is not pinned by a load"
+        except TypeError:
+            problem = key_problem(key)
+        for block in released:
+            if block.refs == 0:
+                self._num_evictable -= 1
+            block.refs += 1
+        for key in released_dropped:
+            self._dropped_pins[key] = self._dropped_pins.get(key, 0) + 1
+        raise ValueError(f"complete_load: {problem}")
+
+    def _release_dropped_pin(self, key: OffloadKey) -> None:
+        count = self._dropped_pins[key] - 1
+        if count:
+            self._dropped_pins[key] = count
+        else:
+            del self._dropped_pins[key]
+
+    def prepare_store(
+        self, keys: Collection[OffloadKey], req_context: ReqContext
+    ) -> PrepareStoreOutput | None:
+        blocks = self._blocks
+        try:
+            offered = dict.fromkeys(keys)
+        except TypeError:
+            check_keys(keys)
+            raise
+        keys_to_store: list[OffloadKey] = []
+        # offered blocks that would otherwise be evictable
+        num_protected = 0
+        for key in offered:
+            block = blocks.get(key)
+            if block is None:
+                if not (isinstance(key, bytes) and MIN_KEY_BYTES <= len(key) <= MAX_KEY_BYTES):
+                    raise ValueError(f"prepare_store: {key_problem(key)}")
+                keys_to_store.append(key)
+            elif block.refs == 0:
+                num_protected += 1
+
+        num_new = len(keys_to_store)
+        if not num_new:
+            return PrepareStoreOutput([], PoolLoadStoreSpec([], [], []), [])
+        free_rows = self._free_rows
+        num_to_evict = num_new - len(free_rows)
+        evicted: list[OffloadKey] = []
+        if num_to_evict > 0:
+            # Counting first turns a hopeless call into O(keys) instead of a full policy scan.
+            if num_to_evict > self._num_evictable - num_protected:
+                return None
+            victims = self._policy.evict(
+                num_to_evict, lambda key: blocks[key].refs == 0 and key not in offered
+            )
+            if victims is None:
+                return None
+            for key in victims:
+                free_rows.append(blocks.pop(key).row)
+            self._num_evictable -= num_to_evict
+            self._events.append(OffloadingEvent(list(victims), self._medium, True))
+            evicted = victims
+
+        rows = free_rows[-num_new:]
+        del free_rows[-num_new:]
+        first_generation = self._next_generation
+        self._next_generation = first_generation + num_new
+        generations = range(first_generation, first_generation + num_new)
+        for key, row, generation in zip(keys_to_store, rows, generations):
+            blocks[key] = _Block(row, generation, -1)
+        insert = self._policy.insert
+        # the first key ends up most recent, as with touch
+        for key in reversed(keys_to_store):
+            insert(key)
+        return PrepareStoreOutput(
+            keys_to_store, PoolLoadStoreSpec(rows, keys_to_store, generations), evicted
+        )
+
+    def complete_store(
+        self, keys: Collection[OffloadKey], req_context: ReqContext, success: bool = True
+    ) -> None:
+        blocks = self._blocks
+        landed: list[tuple[OffloadKey, _Block]] = []
+        try:
+            for key in keys:
+                block = blocks.get(key)
+                if block is not None and block.refs < 0:
+                    landed.append((key, block))
+        except TypeError:
+            check_keys(keys)
+            raise
+        done: list[OffloadKey] = []
+        if success:
+            for key, block in landed:
+                if block.refs < 0:  # a key repeated in `keys` lands once
+                    block.refs = 0
+                    done.append(key)
+            self._num_evictable += len(done)
+        else:
+            remove = self._policy.remove
+            for key, block in landed:
+                if blocks.pop(key, None) is not None:
+                    remove(key)
+                    self._free_rows.append(block.row)
+                    done.append(key)
+        if done:
+            self._events.append(OffloadingEvent(done, self._medium, not success))
+
+    def take_events(self) -> list[OffloadingEvent]:
+        events, self._events = self._events, []
+        return events
+
+    def reset_cache(self) -> None:
+        stored: list[OffloadKey] = []
+        dropped_pins = self._dropped_pins
+        for key, block in self._blocks.items():
+            if block.refs >= 0:
+                stored.append(key)
+                if block.refs:
+                    dropped_pins[key] = dropped_pins.get(key, 0) + block.refs
+        self._blocks.clear()
+        self._policy.clear()
+        self._free_rows = list(range(self._num_rows - 1, -1, -1))
+        self._num_evictable = 0
+        if stored:
+            self._events.append(OffloadingEvent(stored, self._medium, True))

@@ -1,0 +1,220 @@
+"""Eviction policies: which resident blocks a full pool gives up first.
+
+A policy orders resident keys and nothing else. Whether a block may be evicted right
+now (pinned by a load, store in flight, offered in the same call) is the manager's
+business, passed to `evict` as a predicate.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections import OrderedDict
+from collections.abc import Callable, Iterator, Sequence
+
+from distkv.abstract import OffloadKey
+
+Evictable = Callable[[OffloadKey], bool]
+
+
+class CachePolicy(ABC):
+    """Orders the resident keys of a cache of `capacity` blocks for eviction.
+
+    A key is resident from `insert` until `remove`, `evict` or `clear` drops it. The
+    caller never inserts a key that is resident and keeps at most `capacity` keys
+    resident at once.
+    """
+
+    def __init__(self, capacity: int) -> None:
+        if capacity < 1:
+            raise ValueError(f"policy capacity={capacity}: must be at least 1")
+        self.capacity = capacity
+
+    @abstractmethod
+    def insert(self, key: OffloadKey) -> None:
+        """Make a key resident: it was just brought into the cache (a miss)."""
+
+    @abstractmethod
+    def touch(self, keys: Sequence[OffloadKey]) -> None:
+        """Record a use of each resident key; keys that are not resident are ignored.
+
+        keys[0] ends up the most recently used: a prefix's later blocks are worthless
+        without its earlier ones, so they should go first.
+        """
+
+    @abstractmethod
+    def remove(self, key: OffloadKey) -> None:
+        """Drop a resident key without counting it as an eviction (e.g. a failed store)."""
+
+    @abstractmethod
+    def evict(self, n: int, evictable: Evictable) -> list[OffloadKey] | None:
+        """Choose and drop exactly n resident keys among those for which evictable(key).
+
+        Returns the keys dropped. Atomic: if fewer than n keys qualify, returns
+        None and the policy is unchanged.
+        """
+
+    @abstractmethod
+    def clear(self) -> None:
+        """Drop every key, and any history the policy keeps."""
+
+
+def _next_evictable(keys: Iterator[OffloadKey], evictable: Evictable) -> OffloadKey | None:
+    for key in keys:
+        if evictable(key):
+            return key
+    return None
+
+
+class LRUPolicy(CachePolicy):
+    """Evicts the least recently inserted or touched key."""
+
+    def __init__(self, capacity: int) -> None:
+        super().__init__(capacity)
+        # oldest first
+        self._order: OrderedDict[OffloadKey, None] = OrderedDict()
+
+    def insert(self, key: OffloadKey) -> None:
+        self._order[key] = None
+
+    def touch(self, keys: Sequence[OffloadKey]) -> None:
+        order = self._order
+        for key in reversed(keys):
+            if key in order:
+                order.move_to_end(key)
+
+    def remove(self, key: OffloadKey) -> None:
+        del self._order[key]
+
+    def evict(self, n: int, evictable: Evictable) -> list[OffloadKey] | None:
+        if n <= 0:
+            return []
+        victims: list[OffloadKey] = []
+        for key in self._order:
+            if evictable(key):
+                victims.append(key)
+                if len(victims) == n:
+                    break
+        else:
+            return None
+        order = self._order
+        for key in victims:
+            del order[key]
+        return victims
+
+    def clear(self) -> None:
+        self._order.clear()
+
+
+class ARCPolicy(CachePolicy):
+    """Adaptive Replacement Cache (Megiddo & Modha, FAST 2003).
+
+    T1 holds keys used once since they came in, T2 keys used again; B1 and B2 remember
+    keys recently evicted from T1 and T2 (ghosts, no data). Evictions take from T1
+    while it is larger than the target p, else from T2. A key brought back while in B1
+    means T1 was too small (p grows), in B2 that T2 was (p shrinks); either way it
+    returns to T2. Ghosts are bounded as in the paper: |T1| + |B1| <= c and
+    |T1| + |T2| + |B1| + |B2| <= 2c.
+    """
+
+    def __init__(self, capacity: int) -> None:
+        super().__init__(capacity)
+        self._p = 0.0
+        # each list oldest first
+        self._t1: OrderedDict[OffloadKey, None] = OrderedDict()
+        self._t2: OrderedDict[OffloadKey, None] = OrderedDict()
+        self._b1: OrderedDict[OffloadKey, None] = OrderedDict()
+        self._b2: OrderedDict[OffloadKey, None] = OrderedDict()
+
+    @property
+    def target_t1_size(self) -> float:
+        """The adaptive target p for the size of T1, in [0, capacity]."""
+        return self._p
+
+    def insert(self, key: OffloadKey) -> None:
+        b1, b2 = self._b1, self._b2
+        if key in b1:
+            self._p = min(self._p + max(1.0, len(b2) / len(b1)), self.capacity)
+            del b1[key]
+            self._t2[key] = None
+        elif key in b2:
+            self._p = max(self._p - max(1.0, len(b1) / len(b2)), 0.0)
+            del b2[key]
+            self._t2[key] = None
+        else:
+            t1 = self._t1
+            t1[key] = None
+            if b1 and len(t1) + len(b1) > self.capacity:
+                b1.popitem(last=False)
+            elif b2 and len(t1) + len(self._t2) + len(b1) + len(b2) > 2 * self.capacity:
+                b2.popitem(last=False)
+
+    def touch(self, keys: Sequence[OffloadKey]) -> None:
+        t1, t2 = self._t1, self._t2
+        for key in reversed(keys):
+            if key in t1:
+                del t1[key]
+                t2[key] = None
+            elif key in t2:
+                t2.move_to_end(key)
+
+    def remove(self, key: OffloadKey) -> None:
+        if key in self._t1:
+            del self._t1[key]
+        else:
+            del self._t2[key]
+
+    def evict(self, n: int, evictable: Evictable) -> list[OffloadKey] | None:
+        if n <= 0:
+            return []
+        t1, t2 = self._t1, self._t2
+        t1_keys, t2_keys = iter(t1), iter(t2)
+        t1_size = len(t1)  # as it will be once the chosen victims are gone
+        from_t1: list[OffloadKey] = []
+        from_t2: list[OffloadKey] = []
+        for _ in range(n):
+            if t1_size > self._p:
+                key = _next_evictable(t1_keys, evictable)
+                if key is None:
+                    key = _next_evictable(t2_keys, evictable)
+                    if key is None:
+                        return None
+                    from_t2.append(key)
+                    continue
+            else:
+                key = _next_evictable(t2_keys, evictable)
+                if key is not None:
+                    from_t2.append(key)
+                    continue
+                key = _next_evictable(t1_keys, evictable)
+                if key is None:
+                    return None
+            from_t1.append(key)
+            t1_size -= 1
+        b1, b2 = self._b1, self._b2
+        for key in from_t1:
+            del t1[key]
+            b1[key] = None
+        for key in from_t2:
+            del t2[key]
+            b2[key] = None
+        return from_t1 + from_t2
+
+    def clear(self) -> None:
+        self._t1.clear()
+        self._t2.clear()
+        self._b1.clear()
+        self._b2.clear()
+        self._p = 0.0
+
+
+_POLICIES: dict[str, type[CachePolicy]] = {"lru": LRUPolicy, "arc": ARCPolicy}
+
+
+def make_policy(name: str, capacity: int) -> CachePolicy:
+    """The policy called `name` ("lru" or "arc") for a cache of `capacity` blocks."""
+    policy_cls = _POLICIES.get(name)
+    if policy_cls is None:
+        raise ValueError(
+            f"unknown cache policy {name!r}: choose one of {', '.join(map(repr, _POLICIES))}"
+        )
+    return policy_cls(capacity)

@@ -1,0 +1,609 @@
+import time
+from collections import OrderedDict
+
+import hypothesis.strategies as st
+import numpy as np
+import pytest
+from hypothesis import settings
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from distkv.abstract import OffloadingEvent, OffloadingManager, ReqContext
+from distkv.manager import LocalOffloadingManager
+from distkv.pool import MAX_KEY_BYTES, PoolLoadStoreSpec
+
+POLICIES = ["lru", "arc"]
+CTX = ReqContext("req-0")
+
+BAD_KEYS = [
+    pytest.param("abcdefgh", "str, not bytes", id="str"),
+    pytest.param(12345678, "int, not bytes", id="int"),
+    pytest.param(bytearray(8), "bytearray, not bytes", id="bytearray"),
+    pytest.param([1, 2, 3], "list, not bytes", id="unhashable"),
+    pytest.param(b"abcd", "4 bytes long", id="short"),
+    pytest.param(b"x" * (MAX_KEY_BYTES + 1), f"{MAX_KEY_BYTES + 1} bytes long", id="long"),
+]
+
+
+def k(i: int) -> bytes:
+    return i.to_bytes(4, "big") + b"\0\0\0\0"
+
+
+@pytest.fixture(params=POLICIES)
+def policy(request: pytest.FixtureRequest) -> str:
+    return request.param
+
+
+def make(policy: str, num_rows: int = 4) -> LocalOffloadingManager:
+    return LocalOffloadingManager(num_rows, policy)
+
+
+def store(manager: LocalOffloadingManager, keys: list[bytes]) -> PoolLoadStoreSpec:
+    out = manager.prepare_store(keys, CTX)
+    assert out is not None
+    manager.complete_store(out.keys_to_store, CTX)
+    return out.store_spec
+
+
+def state(manager: LocalOffloadingManager) -> tuple:
+    """Everything the manager holds, to check that a rejected call changed nothing."""
+    policy_state = {
+        name: list(value) if isinstance(value, OrderedDict) else value
+        for name, value in vars(manager._policy).items()
+    }
+    return (
+        {key: (b.row, b.generation, b.refs) for key, b in manager._blocks.items()},
+        list(manager._free_rows),
+        manager._num_evictable,
+        dict(manager._dropped_pins),
+        list(manager._events),
+        manager._next_generation,
+        policy_state,
+    )
+
+
+def live_rows(manager: LocalOffloadingManager) -> list[int]:
+    return [b.row for b in manager._blocks.values()]
+
+
+# ---- construction ------------------------------------------------------------------
+
+
+def test_is_an_offloading_manager(policy: str) -> None:
+    manager = make(policy, 3)
+    assert isinstance(manager, OffloadingManager)
+    assert manager.num_rows == 3
+    assert manager.num_free_rows == 3
+    assert manager.ready_keys() == []
+
+
+@pytest.mark.parametrize("num_rows", [0, -1])
+def test_needs_at_least_one_row(num_rows: int) -> None:
+    with pytest.raises(ValueError, match=f"num_rows={num_rows}"):
+        LocalOffloadingManager(num_rows)
+
+
+def test_unknown_policy_is_named() -> None:
+    with pytest.raises(ValueError, match=r"'mru'.*'lru'.*'arc'"):
+        LocalOffloadingManager(4, "mru")
+
+
+# ---- lookup ------------------------------------------------------------------------
+
+
+def test_lookup_follows_store(policy: str) -> None:
+    manager = make(policy)
+    assert manager.lookup(k(0), CTX) is False
+    manager.prepare_store([k(0)], CTX)
+    assert manager.lookup(k(0), CTX) is None
+    manager.complete_store([k(0)], CTX)
+    assert manager.lookup(k(0), CTX) is True
+
+
+@pytest.mark.parametrize("key, problem", BAD_KEYS)
+def test_lookup_rejects_bad_key(policy: str, key: object, problem: str) -> None:
+    manager = make(policy)
+    with pytest.raises(ValueError, match=problem):
+        manager.lookup(key, CTX)
+
+
+@pytest.mark.parametrize("length", [5, MAX_KEY_BYTES])
+def test_key_length_bounds_are_accepted(policy: str, length: int) -> None:
+    manager = make(policy)
+    key = b"k" * length
+    assert manager.lookup(key, CTX) is False
+    store(manager, [key])
+    assert manager.lookup(key, CTX) is True
+
+
+# ---- prepare_store / complete_store ------------------------------------------------
+
+
+def test_prepare_store_hands_out_free_rows_with_fresh_generations(policy: str) -> None:
+    before = time.time_ns()
+    manager = make(policy, 4)
+    out = manager.prepare_store([k(0), k(1), k(2)], CTX)
+    assert out.keys_to_store == [k(0), k(1), k(2)]
+    assert out.evicted_keys == []
+    spec = out.store_spec
+    assert isinstance(spec, PoolLoadStoreSpec)
+    assert spec.keys == [k(0), k(1), k(2)]
+    assert len(set(spec.block_ids.tolist())) == 3
+    assert set(spec.block_ids.tolist()) <= set(range(4))
+    gens = spec.generations.tolist()
+    assert gens == sorted(gens) and len(set(gens)) == 3 and gens[0] >= before
+    assert manager.num_free_rows == 1
+    later = manager.prepare_store([k(3)], CTX).store_spec.generations.tolist()
+    assert later[0] > gens[-1]
+
+
+def test_generations_do_not_repeat_across_managers(policy: str) -> None:
+    first = make(policy)
+    gens = store(first, [k(0), k(1)]).generations.tolist()
+    second = make(policy)
+    assert store(second, [k(0)]).generations.tolist()[0] > max(gens)
+
+
+def test_block_reports_row_and_generation_of_ready_blocks(policy: str) -> None:
+    manager = make(policy)
+    out = manager.prepare_store([k(0)], CTX)
+    assert manager.block(k(0)) is None  # in flight
+    manager.complete_store([k(0)], CTX)
+    row, generation = manager.block(k(0))
+    assert row == out.store_spec.block_ids[0]
+    assert generation == out.store_spec.generations[0]
+    assert manager.block(k(1)) is None
+    with pytest.raises(ValueError, match="4 bytes long"):
+        manager.block(b"abcd")
+
+
+def test_ready_keys_lists_only_ready_blocks(policy: str) -> None:
+    manager = make(policy)
+    store(manager, [k(0), k(1)])
+    manager.prepare_store([k(2)], CTX)
+    assert sorted(manager.ready_keys()) == [k(0), k(1)]
+
+
+def test_prepare_store_skips_stored_in_flight_and_repeated_keys(policy: str) -> None:
+    manager = make(policy, 8)
+    store(manager, [k(0)])
+    manager.prepare_store([k(1)], CTX)
+    out = manager.prepare_store([k(0), k(1), k(2), k(2), k(3), k(2)], CTX)
+    assert out.keys_to_store == [k(2), k(3)]
+    assert out.store_spec.keys == [k(2), k(3)]
+    assert manager.num_free_rows == 4
+
+
+def test_prepare_store_of_nothing_new_is_empty(policy: str) -> None:
+    manager = make(policy)
+    store(manager, [k(0)])
+    for keys in ([], [k(0)]):
+        out = manager.prepare_store(keys, CTX)
+        assert out.keys_to_store == [] and out.evicted_keys == []
+        assert len(out.store_spec.block_ids) == 0
+    assert manager.take_events() == [OffloadingEvent([k(0)], "CPU", False)]
+
+
+@pytest.mark.parametrize("key, problem", BAD_KEYS)
+def test_prepare_store_rejects_bad_key_without_change(policy: str, key: object, problem: str) -> None:
+    manager = make(policy, 2)
+    store(manager, [k(0), k(1)])
+    before = state(manager)
+    with pytest.raises(ValueError, match=problem):
+        manager.prepare_store([k(2), key], CTX)
+    assert state(manager) == before
+
+
+def test_full_pool_evicts_least_recently_used(policy: str) -> None:
+    manager = make(policy, 3)
+    store(manager, [k(0)])
+    store(manager, [k(1)])
+    store(manager, [k(2)])
+    manager.take_events()
+    out = manager.prepare_store([k(3), k(4)], CTX)
+    assert out.evicted_keys == [k(0), k(1)]
+    assert manager.lookup(k(0), CTX) is False
+    assert set(out.store_spec.block_ids.tolist()) | {manager.block(k(2))[0]} == {0, 1, 2}
+    manager.complete_store([k(3), k(4)], CTX)
+    assert manager.take_events() == [
+        OffloadingEvent([k(0), k(1)], "CPU", True),
+        OffloadingEvent([k(3), k(4)], "CPU", False),
+    ]
+
+
+def test_touch_keeps_block_longer(policy: str) -> None:
+    manager = make(policy, 3)
+    for i in range(3):
+        store(manager, [k(i)])
+    manager.touch([k(0), k(9)], CTX)  # k(9) is unknown: ignored
+    assert manager.prepare_store([k(3)], CTX).evicted_keys == [k(1)]
+
+
+@pytest.mark.parametrize("key, problem", BAD_KEYS)
+def test_touch_rejects_bad_key_without_change(policy: str, key: object, problem: str) -> None:
+    manager = make(policy, 3)
+    store(manager, [k(0), k(1)])
+    before = state(manager)
+    with pytest.raises(ValueError, match=problem):
+        manager.touch([k(1), key], CTX)
+    assert state(manager) == before
+
+
+def test_pinned_blocks_are_not_evicted(policy: str) -> None:
+    manager = make(policy, 3)
+    for i in range(3):
+        store(manager, [k(i)])
+    manager.prepare_load([k(0), k(1)], CTX)
+    assert manager.prepare_store([k(3)], CTX).evicted_keys == [k(2)]
+
+
+def test_in_flight_blocks_are_not_evicted(policy: str) -> None:
+    manager = make(policy, 3)
+    manager.prepare_store([k(0), k(1)], CTX)
+    store(manager, [k(2)])
+    assert manager.prepare_store([k(3)], CTX).evicted_keys == [k(2)]
+    assert manager.prepare_store([k(4)], CTX) is None
+
+
+def test_offered_keys_are_not_evicted_by_their_call(policy: str) -> None:
+    manager = make(policy, 2)
+    store(manager, [k(0)])
+    store(manager, [k(1)])
+    out = manager.prepare_store([k(0), k(2)], CTX)  # k(0) is the oldest, but offered
+    assert out.keys_to_store == [k(2)]
+    assert out.evicted_keys == [k(1)]
+    assert manager.prepare_store([k(0), k(1)], CTX) is None  # only k(0) could go
+
+
+def test_prepare_store_is_all_or_nothing(policy: str) -> None:
+    manager = make(policy, 3)
+    for i in range(3):
+        store(manager, [k(i)])
+    manager.prepare_load([k(0)], CTX)
+    manager.take_events()
+    before = state(manager)
+    assert manager.prepare_store([k(3), k(4), k(5)], CTX) is None
+    assert state(manager) == before
+    assert manager.prepare_store([k(i) for i in range(10, 14)], CTX) is None  # more than the pool
+    assert state(manager) == before
+    assert manager.prepare_store([k(3), k(4)], CTX).evicted_keys == [k(1), k(2)]
+
+
+def test_complete_store_makes_blocks_ready_once(policy: str) -> None:
+    manager = make(policy)
+    manager.prepare_store([k(0), k(1)], CTX)
+    manager.complete_store([k(0), k(0), k(7)], CTX)  # k(7) is not in flight: ignored
+    assert manager.lookup(k(0), CTX) is True
+    assert manager.lookup(k(1), CTX) is None
+    manager.complete_store([k(0), k(1)], CTX)
+    assert manager.take_events() == [
+        OffloadingEvent([k(0)], "CPU", False),
+        OffloadingEvent([k(1)], "CPU", False),
+    ]
+
+
+def test_failed_store_frees_rows_and_reports_removal(policy: str) -> None:
+    manager = make(policy, 2)
+    store(manager, [k(0)])
+    manager.prepare_store([k(1)], CTX)
+    manager.take_events()
+    manager.complete_store([k(0), k(1), k(5)], CTX, success=False)
+    assert manager.lookup(k(0), CTX) is True  # already stored: not in flight, ignored
+    assert manager.lookup(k(1), CTX) is False
+    assert manager.num_free_rows == 1
+    assert manager.take_events() == [OffloadingEvent([k(1)], "CPU", True)]
+    assert manager.prepare_store([k(2)], CTX).evicted_keys == []  # the freed row
+
+
+def test_complete_store_rejects_unhashable_key_without_change(policy: str) -> None:
+    manager = make(policy)
+    manager.prepare_store([k(0)], CTX)
+    before = state(manager)
+    with pytest.raises(ValueError, match="list, not bytes"):
+        manager.complete_store([k(0), [1]], CTX)
+    assert state(manager) == before
+
+
+# ---- prepare_load / complete_load --------------------------------------------------
+
+
+def test_prepare_load_points_at_the_stored_rows(policy: str) -> None:
+    manager = make(policy, 4)
+    stored = store(manager, [k(0), k(1), k(2)])
+    spec = manager.prepare_load([k(2), k(0)], CTX)
+    assert isinstance(spec, PoolLoadStoreSpec)
+    assert spec.keys == [k(2), k(0)]
+    assert spec.block_ids.tolist() == [stored.block_ids[2], stored.block_ids[0]]
+    np.testing.assert_array_equal(spec.generations, stored.generations[[2, 0]])
+
+
+def test_pins_stack(policy: str) -> None:
+    manager = make(policy, 2)
+    store(manager, [k(0), k(1)])
+    manager.prepare_load([k(0)], CTX)
+    manager.prepare_load([k(0)], CTX)
+    manager.complete_load([k(0)], CTX)
+    assert manager.prepare_store([k(2), k(3)], CTX) is None  # k(0) still pinned once
+    manager.complete_load([k(0)], CTX)
+    assert sorted(manager.prepare_store([k(2), k(3)], CTX).evicted_keys) == [k(0), k(1)]
+
+
+def test_repeated_key_in_one_load_pins_twice(policy: str) -> None:
+    manager = make(policy, 1)
+    store(manager, [k(0)])
+    manager.prepare_load([k(0), k(0)], CTX)
+    manager.complete_load([k(0)], CTX)
+    assert manager.prepare_store([k(1)], CTX) is None
+    manager.complete_load([k(0)], CTX)
+    with pytest.raises(ValueError, match="not pinned"):
+        manager.complete_load([k(0)], CTX)
+
+
+@pytest.mark.parametrize("missing", ["absent", "in flight"])
+def test_prepare_load_of_unready_key_takes_no_pin(policy: str, missing: str) -> None:
+    manager = make(policy, 3)
+    store(manager, [k(0), k(1)])
+    if missing == "in flight":
+        manager.prepare_store([k(2)], CTX)
+    before = state(manager)
+    problem = "not stored" if missing == "absent" else "still being stored"
+    with pytest.raises(ValueError, match=rf"{k(2)!r}.*{problem}".replace("\\", "\\\\")):
+        manager.prepare_load([k(0), k(1), k(2)], CTX)
+    assert state(manager) == before
+
+
+@pytest.mark.parametrize("key, problem", BAD_KEYS)
+def test_prepare_load_rejects_bad_key_without_change(policy: str, key: object, problem: str) -> None:
+    manager = make(policy)
+    store(manager, [k(0)])
+    before = state(manager)
+    with pytest.raises(ValueError, match=problem):
+        manager.prepare_load([k(0), key], CTX)
+    assert state(manager) == before
+
+
+def test_complete_load_of_unpinned_key_changes_nothing(policy: str) -> None:
+    manager = make(policy)
+    store(manager, [k(0), k(1)])
+    manager.prepare_load([k(0)], CTX)
+    before = state(manager)
+    for keys in ([k(0), k(1)], [k(0), k(0)], [k(0), k(5)]):
+        with pytest.raises(ValueError, match="not pinned"):
+            manager.complete_load(keys, CTX)
+        assert state(manager) == before
+    with pytest.raises(ValueError, match="int, not bytes"):
+        manager.complete_load([k(0), 7], CTX)
+    assert state(manager) == before
+
+
+# ---- events and reset --------------------------------------------------------------
+
+
+def test_take_events_returns_only_new_events(policy: str) -> None:
+    manager = LocalOffloadingManager(2, policy, medium="HOST")
+    store(manager, [k(0)])
+    assert manager.take_events() == [OffloadingEvent([k(0)], "HOST", False)]
+    assert manager.take_events() == []
+    store(manager, [k(1)])
+    assert manager.take_events() == [OffloadingEvent([k(1)], "HOST", False)]
+
+
+def test_reset_cache_empties_everything(policy: str) -> None:
+    manager = make(policy, 4)
+    store(manager, [k(0), k(1)])
+    manager.prepare_load([k(0)], CTX)
+    manager.prepare_store([k(2)], CTX)
+    manager.take_events()
+    manager.reset_cache()
+    assert manager.take_events() == [OffloadingEvent([k(0), k(1)], "CPU", True)]
+    assert manager.num_free_rows == 4
+    assert manager.ready_keys() == []
+    for i in range(3):
+        assert manager.lookup(k(i), CTX) is False
+    # completions of the dropped jobs are ignored
+    manager.complete_store([k(2)], CTX)
+    manager.complete_load([k(0)], CTX)
+    assert manager.lookup(k(2), CTX) is False
+    assert manager.take_events() == []
+    with pytest.raises(ValueError, match="not pinned"):
+        manager.complete_load([k(0)], CTX)  # its one dropped pin is spent
+    # the whole pool is usable again, with generations that never repeat
+    out = manager.prepare_store([k(i) for i in range(10, 14)], CTX)
+    assert sorted(out.store_spec.block_ids.tolist()) == [0, 1, 2, 3]
+
+
+def test_reset_cache_of_empty_manager_reports_nothing(policy: str) -> None:
+    manager = make(policy)
+    manager.prepare_store([k(0)], CTX)
+    manager.reset_cache()
+    assert manager.take_events() == []
+
+
+def test_dropped_pin_does_not_hold_a_new_block(policy: str) -> None:
+    manager = make(policy, 1)
+    store(manager, [k(0)])
+    manager.prepare_load([k(0)], CTX)
+    manager.reset_cache()
+    store(manager, [k(0)])
+    manager.prepare_load([k(0)], CTX)
+    manager.complete_load([k(0)], CTX)  # releases the live pin first
+    assert manager.prepare_store([k(1)], CTX).evicted_keys == [k(0)]
+    manager.complete_load([k(0)], CTX)  # then the dropped one
+
+
+# ---- ARC through the manager -------------------------------------------------------
+
+
+def test_arc_keeps_frequent_block_through_a_scan() -> None:
+    for policy, survives in (("arc", True), ("lru", False)):
+        manager = make(policy, 4)
+        store(manager, [k(0)])
+        manager.touch([k(0)], CTX)
+        for i in range(100, 120):
+            store(manager, [k(i)])
+        assert manager.lookup(k(0), CTX) is survives, policy
+
+
+# ---- model-based -------------------------------------------------------------------
+
+NUM_KEYS = 10
+KEYS = [k(i) for i in range(NUM_KEYS)]
+key_lists = st.lists(st.sampled_from(KEYS), max_size=5)
+
+
+class ManagerModel(RuleBasedStateMachine):
+    """Random operations against a plain model of what the manager must hold."""
+
+    policy = "lru"
+
+    @initialize(num_rows=st.integers(1, 6))
+    def setup(self, num_rows: int) -> None:
+        self.manager = LocalOffloadingManager(num_rows, self.policy)
+        self.num_rows = num_rows
+        self.ready: dict[bytes, int] = {}  # key -> pins
+        self.in_flight: set[bytes] = set()
+        self.rows: dict[bytes, int] = {}
+        self.dropped_pins: dict[bytes, int] = {}
+        self.replayed: set[bytes] = set()
+        self.last_generation = 0
+
+    @rule(keys=key_lists)
+    def prepare_store(self, keys: list[bytes]) -> None:
+        offered = list(dict.fromkeys(keys))
+        new = [key for key in offered if key not in self.ready and key not in self.in_flight]
+        need = len(new) - (self.num_rows - len(self.rows))
+        evictable = {key for key, pins in self.ready.items() if pins == 0 and key not in offered}
+        out = self.manager.prepare_store(keys, CTX)
+        if new and need > len(evictable):
+            assert out is None
+            return
+        assert out is not None
+        assert out.keys_to_store == new
+        assert len(out.evicted_keys) == max(need, 0)
+        assert set(out.evicted_keys) <= evictable
+        for key in out.evicted_keys:
+            del self.ready[key]
+            del self.rows[key]
+        spec = out.store_spec
+        assert spec.keys == new
+        rows = spec.block_ids.tolist()
+        assert not set(rows) & set(self.rows.values())
+        gens = spec.generations.tolist()
+        assert all(gen > self.last_generation for gen in gens)
+        assert gens == sorted(set(gens))
+        if gens:
+            self.last_generation = gens[-1]
+        self.rows.update(zip(new, rows))
+        self.in_flight.update(new)
+
+    @rule(keys=key_lists, success=st.booleans())
+    def complete_store(self, keys: list[bytes], success: bool) -> None:
+        self.manager.complete_store(keys, CTX, success)
+        for key in set(keys) & self.in_flight:
+            self.in_flight.discard(key)
+            if success:
+                self.ready[key] = 0
+            else:
+                del self.rows[key]
+
+    @precondition(lambda self: self.in_flight)
+    @rule(data=st.data())
+    def complete_some_store(self, data: st.DataObject) -> None:
+        keys = data.draw(st.lists(st.sampled_from(sorted(self.in_flight)), min_size=1))
+        self.complete_store(keys, data.draw(st.booleans()))
+
+    @rule(keys=key_lists)
+    def prepare_load(self, keys: list[bytes]) -> None:
+        if all(key in self.ready for key in keys):
+            spec = self.manager.prepare_load(keys, CTX)
+            assert spec.block_ids.tolist() == [self.rows[key] for key in keys]
+            for key in keys:
+                self.ready[key] += 1
+        else:
+            with pytest.raises(ValueError):
+                self.manager.prepare_load(keys, CTX)
+
+    @precondition(lambda self: self.ready)
+    @rule(data=st.data())
+    def prepare_load_ready(self, data: st.DataObject) -> None:
+        self.prepare_load(data.draw(st.lists(st.sampled_from(sorted(self.ready)), min_size=1)))
+
+    @rule(keys=key_lists)
+    def complete_load(self, keys: list[bytes]) -> None:
+        ready = dict(self.ready)
+        dropped = dict(self.dropped_pins)
+        ok = True
+        for key in keys:
+            if ready.get(key, 0) > 0:
+                ready[key] -= 1
+            elif dropped.get(key, 0) > 0:
+                dropped[key] -= 1
+            else:
+                ok = False
+        if ok:
+            self.manager.complete_load(keys, CTX)
+            self.ready = ready
+            self.dropped_pins = dropped
+        else:
+            with pytest.raises(ValueError):
+                self.manager.complete_load(keys, CTX)
+
+    @precondition(lambda self: any(self.ready.values()))
+    @rule(data=st.data())
+    def complete_pinned_load(self, data: st.DataObject) -> None:
+        pinned = sorted(key for key, pins in self.ready.items() if pins)
+        self.complete_load(data.draw(st.lists(st.sampled_from(pinned), min_size=1, max_size=2)))
+
+    @rule(keys=key_lists)
+    def touch(self, keys: list[bytes]) -> None:
+        self.manager.touch(keys, CTX)
+
+    @rule()
+    def take_events(self) -> None:
+        for event in self.manager.take_events():
+            assert len(set(event.keys)) == len(event.keys)
+            if event.removed:
+                self.replayed.difference_update(event.keys)
+            else:
+                assert not set(event.keys) & self.replayed
+                self.replayed.update(event.keys)
+        assert self.replayed == set(self.ready)
+
+    # only with blocks in flight, so that resets drop interesting states and stay rarer
+    @precondition(lambda self: self.in_flight)
+    @rule()
+    def reset_cache(self) -> None:
+        self.manager.reset_cache()
+        for key, pins in self.ready.items():
+            if pins:
+                self.dropped_pins[key] = self.dropped_pins.get(key, 0) + pins
+        self.ready.clear()
+        self.in_flight.clear()
+        self.rows.clear()
+
+    @invariant()
+    def agrees_with_model(self) -> None:
+        manager = self.manager
+        assert len(self.rows) <= self.num_rows
+        assert manager.num_free_rows == self.num_rows - len(self.rows)
+        for key in KEYS:
+            expected = True if key in self.ready else None if key in self.in_flight else False
+            assert manager.lookup(key, CTX) is expected
+        assert sorted(manager.ready_keys()) == sorted(self.ready)
+        for key in self.ready:
+            assert manager.block(key)[0] == self.rows[key]
+        rows = live_rows(manager)
+        assert len(set(rows)) == len(rows) == len(self.rows)
+        assert sorted(rows) == sorted(self.rows.values())
+
+
+class LRUManagerModel(ManagerModel):
+    policy = "lru"
+
+
+class ARCManagerModel(ManagerModel):
+    policy = "arc"
+
+
+MODEL_SETTINGS = settings(max_examples=100, stateful_step_count=80, deadline=None)
+TestLRUManagerModel = MODEL_SETTINGS(LRUManagerModel).TestCase
+TestARCManagerModel = MODEL_SETTINGS(ARCManagerModel).TestCase
