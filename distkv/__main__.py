@@ -1,0 +1,3 @@
+from distkv.cli import main
+
+raise SystemExit(main())

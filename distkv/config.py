@@ -1,0 +1,94 @@
+"""distkv's settings, read from vLLM's ``kv_connector_extra_config``, and the cache namespace.
+
+Every key is checked at start: an unknown key or a bad value raises a ValueError that
+names the key and says what would be accepted.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Any
+
+POLICIES = ("lru", "arc")
+STORE_POLICIES = ("always", "dedupe")
+
+# Keys that vLLM's OffloadingConnector itself reads from the same dict.
+_CONNECTOR_KEYS = frozenset({"spec_name", "spec_module_path", "block_size"})
+
+
+@dataclass(frozen=True)
+class DistkvConfig:
+    """The settings of one replica's offloading."""
+
+    # host pool per replica, in bytes
+    cpu_bytes_to_use: int = 1 << 30
+    # "lru" or "arc"
+    eviction_policy: str = "lru"
+    # mixed into the cache namespace: replicas with different salts never share blocks
+    tenant_salt: str = ""
+    # Ray cluster to join ("auto", "ray://...", "host:port"); None starts an embedded local one
+    ray_address: str | None = None
+    # "always": every replica keeps what it computes; "dedupe": skip blocks another replica holds
+    store_policy: str = "always"
+    # a promotion not done by then is a miss
+    promotion_timeout_s: float = 5.0
+    # Directory actors the keys are spread over
+    directory_shards: int = 1
+
+    @classmethod
+    def from_extra_config(cls, extra: Mapping[str, Any]) -> "DistkvConfig":
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(extra) - known - _CONNECTOR_KEYS)
+        if unknown:
+            raise ValueError(
+                f"unknown kv_connector_extra_config key(s) {unknown}; distkv reads {sorted(known)}"
+            )
+        values = {k: extra[k] for k in known if k in extra}
+        if "cpu_bytes_to_use" in values:
+            v = values["cpu_bytes_to_use"]
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0 or int(v) != v:
+                raise ValueError(
+                    f"kv_connector_extra_config 'cpu_bytes_to_use'={v!r} must be a positive "
+                    "whole number of bytes"
+                )
+            values["cpu_bytes_to_use"] = int(v)
+        if "eviction_policy" in values and values["eviction_policy"] not in POLICIES:
+            raise ValueError(
+                f"kv_connector_extra_config 'eviction_policy'={values['eviction_policy']!r} "
+                f"must be one of {list(POLICIES)}"
+            )
+        for key in ("tenant_salt", "ray_address"):
+            if values.get(key) is not None and not isinstance(values[key], str):
+                raise ValueError(f"kv_connector_extra_config {key!r}={values[key]!r} must be a string")
+        if "store_policy" in values and values["store_policy"] not in STORE_POLICIES:
+            raise ValueError(
+                f"kv_connector_extra_config 'store_policy'={values['store_policy']!r} "
+                f"must be one of {list(STORE_POLICIES)}"
+            )
+        if "promotion_timeout_s" in values:
+            v = values["promotion_timeout_s"]
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < float("inf"):
+                raise ValueError(
+                    f"kv_connector_extra_config 'promotion_timeout_s'={v!r} must be a positive number of seconds"
+                )
+            values["promotion_timeout_s"] = float(v)
+        if "directory_shards" in values:
+            v = values["directory_shards"]
+            if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= 1024:
+                raise ValueError(
+                    f"kv_connector_extra_config 'directory_shards'={v!r} must be a whole number in 1..1024"
+                )
+        return cls(**values)
+
+
+def cache_namespace(kv_identity: Mapping[str, Any], tenant_salt: str = "") -> str:
+    """A short digest of what makes KV bytes interchangeable, plus the tenant salt.
+
+    kv_identity holds model, dtype, KV layout, block size and parallel layout; two
+    replicas share blocks only if every one of these is equal.
+    """
+    canonical = json.dumps({"kv": dict(kv_identity), "salt": tenant_salt}, sort_keys=True, default=str)
+    return hashlib.sha256(canonical.encode()).hexdigest()[:16]

@@ -1,0 +1,196 @@
+"""A stand-in engine replica without vLLM, for tests, the demo and benchmarks.
+
+It holds a KV tensor (a CPU tensor standing for GPU memory), hashes prompts into block
+keys as vLLM does (chained hashes of full blocks), and drives an OffloadingSpec's
+manager and handlers in the order vLLM's OffloadingConnector does: lookup until the
+first miss (deferring the request while any lookup says retry), prepare_load / load /
+complete_load, compute the rest, prepare_store / store / complete_store, touch.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from distkv.abstract import (
+    CanonicalKVCaches,
+    CanonicalKVCacheRef,
+    CanonicalKVCacheTensor,
+    GPULoadStoreSpec,
+    OffloadingSpec,
+    OffloadingWorker,
+    OffloadKey,
+    ReqContext,
+    make_offload_key,
+)
+
+# compute(keys, gpu_block_ids, kv_tensors): write the KV of those offloaded blocks
+ComputeFn = Callable[[Sequence[OffloadKey], np.ndarray, Sequence[torch.Tensor]], None]
+
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+
+
+def block_keys(tokens: Sequence[int] | np.ndarray, block_tokens: int, group_idx: int = 0) -> list[OffloadKey]:
+    """Keys of the full blocks of a prompt: each hash covers the whole prefix up to its block."""
+    arr = np.asarray(tokens, dtype=np.int64)
+    keys = []
+    parent = b""
+    for start in range(0, len(arr) - block_tokens + 1, block_tokens):
+        parent = hashlib.sha256(parent + arr[start : start + block_tokens].tobytes()).digest()
+        keys.append(make_offload_key(parent, group_idx))
+    return keys
+
+
+def synthetic_page(key: OffloadKey, sub_block: int, tensor_idx: int, page_bytes: int) -> np.ndarray:
+    """Deterministic bytes for one GPU page of a block: what 'computing' it yields here."""
+    seed = np.uint64(int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little"))
+    salt = np.uint64((sub_block << 8) | tensor_idx)
+    words = np.arange(page_bytes // 8, dtype=np.uint64) * _GOLDEN + seed + salt
+    return words.view(np.int8)
+
+
+@dataclass
+class RequestResult:
+    blocks: int  # full offloaded blocks in the prompt
+    hit_blocks: int  # loaded through the offloading manager
+    stored_blocks: int
+    retries: int  # steps the request was deferred because a lookup said retry
+    load_failures: int  # load jobs that reported failure (their blocks were recomputed)
+    mismatches: int  # loaded blocks whose bytes differ from what computing them gives
+
+
+class Replica:
+    """One engine replica: a KV tensor pair (K, V), a manager, and a worker's handlers."""
+
+    def __init__(
+        self,
+        spec: OffloadingSpec,
+        num_gpu_blocks: int,
+        page_bytes: int,
+        compute: ComputeFn | None = None,
+        step_s: float = 0.002,
+    ):
+        self.spec = spec
+        self.manager = spec.get_manager()
+        self.factor = spec.block_size_factor
+        self.block_tokens = spec.gpu_block_size[0] * self.factor
+        self.page_bytes = page_bytes
+        self.kv = [torch.zeros(num_gpu_blocks, page_bytes, dtype=torch.int8) for _ in range(2)]
+        kv_caches = CanonicalKVCaches(
+            tensors=[CanonicalKVCacheTensor(t, page_bytes) for t in self.kv],
+            group_data_refs=[[CanonicalKVCacheRef(0, page_bytes), CanonicalKVCacheRef(1, page_bytes)]],
+        )
+        self.worker = OffloadingWorker()
+        for src, dst, handler in spec.get_handlers(kv_caches):
+            self.worker.register_handler(src, dst, handler)
+        self.compute = compute or self._synthetic_compute
+        self.step_s = step_s
+        self._free_gpu = list(range(num_gpu_blocks))
+        self._jobs = itertools.count()
+        self._requests = itertools.count()
+
+    def serve(self, tokens: Sequence[int] | np.ndarray, max_retries: int = 1000) -> RequestResult:
+        """Serve one prompt; returns what came from the offloaded cache."""
+        keys = block_keys(tokens, self.block_tokens)
+        ctx = ReqContext(req_id=f"req-{next(self._requests)}")
+        retries = 0
+        while (hits := self._matched_blocks(keys, ctx)) is None:
+            retries += 1
+            if retries > max_retries:
+                hits = 0
+                break
+            time.sleep(self.step_s)  # the scheduler defers the request by one step
+
+        n_gpu = len(keys) * self.factor
+        if n_gpu > len(self._free_gpu):
+            raise ValueError(f"prompt needs {n_gpu} GPU blocks, {len(self._free_gpu)} are free")
+        gpu = np.array(self._free_gpu[-n_gpu:] if n_gpu else [], dtype=np.int64)
+        del self._free_gpu[len(self._free_gpu) - n_gpu :]
+        try:
+            load_failures = mismatches = 0
+            if hits:
+                if self._load(keys[:hits], gpu[: hits * self.factor], ctx):
+                    mismatches = self._count_mismatches(keys[:hits], gpu)
+                else:
+                    load_failures, hits = 1, 0
+            self.compute(keys[hits:], gpu[hits * self.factor :], self.kv)
+            stored = self._store(keys, hits, gpu, ctx)
+            self.manager.touch(keys, ctx)
+        finally:
+            self._free_gpu.extend(gpu.tolist())
+        return RequestResult(len(keys), hits, stored, retries, load_failures, mismatches)
+
+    def shutdown(self) -> None:
+        self.worker.shutdown()
+        self.manager.shutdown()
+        close = getattr(self.spec, "close", None)
+        if close is not None:
+            close()
+
+    # ---- the connector's steps ---------------------------------------------------------
+
+    def _matched_blocks(self, keys: list[OffloadKey], ctx: ReqContext) -> int | None:
+        for i, key in enumerate(keys):
+            hit = self.manager.lookup(key, ctx)
+            if hit is None:
+                return None
+            if not hit:
+                return i
+        return len(keys)
+
+    def _run(self, src, dst) -> bool:
+        job = next(self._jobs)
+        if not self.worker.transfer_async(job, (src, dst)):
+            return False
+        self.worker.wait({job})
+        results = {r.job_id: r for r in self.worker.get_finished()}
+        return results[job].success
+
+    def _load(self, keys: list[OffloadKey], gpu: np.ndarray, ctx: ReqContext) -> bool:
+        pool_spec = self.manager.prepare_load(keys, ctx)
+        try:
+            return self._run(pool_spec, GPULoadStoreSpec(gpu, [len(gpu)], [0]))
+        finally:
+            self.manager.complete_load(keys, ctx)
+
+    def _store(self, keys: list[OffloadKey], hits: int, gpu: np.ndarray, ctx: ReqContext) -> int:
+        out = self.manager.prepare_store(keys[hits:], ctx)
+        if out is None or not out.keys_to_store:
+            return 0
+        index = {key: i for i, key in enumerate(keys)}
+        f = self.factor
+        ids = np.concatenate([gpu[index[k] * f : (index[k] + 1) * f] for k in out.keys_to_store])
+        ok = self._run(GPULoadStoreSpec(ids, [len(ids)], [0]), out.store_spec)
+        self.manager.complete_store(out.keys_to_store, ctx, success=ok)
+        return len(out.keys_to_store) if ok else 0
+
+    # ---- synthetic KV ----------------------------------------------------------------
+
+    def _synthetic_compute(self, keys: Sequence[OffloadKey], gpu: np.ndarray, kv: Sequence[torch.Tensor]) -> None:
+        for i, key in enumerate(keys):
+            for sub in range(self.factor):
+                block = int(gpu[i * self.factor + sub])
+                for t, tensor in enumerate(kv):
+                    tensor[block].copy_(torch.from_numpy(synthetic_page(key, sub, t, self.page_bytes)))
+
+    def _count_mismatches(self, keys: Sequence[OffloadKey], gpu: np.ndarray) -> int:
+        """Loaded blocks that differ from what computing them gives (must stay 0)."""
+        if self.compute != self._synthetic_compute:
+            return 0
+        bad = 0
+        for i, key in enumerate(keys):
+            for sub in range(self.factor):
+                block = int(gpu[i * self.factor + sub])
+                if any(
+                    not np.array_equal(tensor[block].numpy(), synthetic_page(key, sub, t, self.page_bytes))
+                    for t, tensor in enumerate(self.kv)
+                ):
+                    bad += 1
+                    break
+        return bad
