@@ -1,0 +1,166 @@
+"""The Directory's actors: one `DirectoryShard` per key-hash shard of a cache namespace.
+
+Each shard is a detached, restartable asyncio actor pinned to the head node around a
+`DirectoryState`. Long polls for changes wait on an event, so they never hold up
+publishes. A restarted shard starts empty with a new epoch; the replicas' links notice
+and publish everything again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Sequence
+
+import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from distkv.abstract import OffloadKey
+from distkv.directory import Cursor, DirectoryState, ReplicaInfo, check_stored, pack, unpack
+
+logger = logging.getLogger(__name__)
+
+RAY_NAMESPACE = "distkv"
+# How often a shard reads Ray's node table to drop the holders on dead nodes.
+NODE_POLL_S = 1.0
+# A replica not heard from for this long is dropped; links heartbeat every 0.5 s.
+REPLICA_TIMEOUT_S = 10.0
+
+
+@ray.remote
+class DirectoryShard:
+    """One shard of the Directory. Every method returns promptly except `changes`.
+
+    Bulk payloads cross as `distkv.directory.pack`ed bytes: stored entries come as a
+    packed list of (key, row, generation), changes and query answers go back packed.
+    """
+
+    def __init__(self, replica_timeout_s: float = REPLICA_TIMEOUT_S) -> None:
+        self._state = DirectoryState()
+        self._replica_timeout_s = replica_timeout_s
+        self._changed = asyncio.Event()
+        # Ray runs an async actor's __init__ on its event loop.
+        self._watcher = asyncio.get_running_loop().create_task(self._watch())
+
+    async def register(self, info: ReplicaInfo, seq: int, stored: bytes) -> tuple[str, bool]:
+        """Register a replica afresh and publish everything it holds (packed entries), as one change."""
+        stored = unpack(stored)
+        if isinstance(info, ReplicaInfo):  # else register says what is wrong
+            check_stored(stored, info.num_rows)
+        before = self._state.cursor()
+        self._state.register(info)
+        self._state.publish(info.replica_id, seq, stored, ())
+        self._notify(before)
+        return self._state.epoch, True
+
+    async def publish(self, replica_id: str, seq: int, changes: bytes) -> tuple[str, bool]:
+        """Apply a packed (stored, removed); (epoch, whether the replica is registered).
+
+        See `DirectoryState.publish`.
+        """
+        stored, removed = unpack(changes)
+        before = self._state.cursor()
+        known = self._state.publish(replica_id, seq, stored, removed)
+        self._notify(before)
+        return self._state.epoch, known
+
+    async def unregister(self, replica_id: str) -> bool:
+        before = self._state.cursor()
+        known = self._state.unregister(replica_id)
+        self._notify(before)
+        return known
+
+    async def query(self, keys: Sequence[OffloadKey]) -> bytes:
+        """The packed holders of each key; see `DirectoryState.query`."""
+        return pack(self._state.query(keys))
+
+    async def changes(self, cursor: Cursor | None, timeout_s: float) -> bytes:
+        """The packed changes after `cursor`, waiting up to `timeout_s` for one when there are none yet."""
+        if cursor == self._state.cursor():
+            try:
+                await asyncio.wait_for(self._changed.wait(), timeout_s)
+            except asyncio.TimeoutError:
+                pass
+        return pack(self._state.changes(cursor))
+
+    async def stats(self) -> dict[str, int | str]:
+        return {"epoch": self._state.epoch, "node_id": ray.get_runtime_context().get_node_id(), **self._state.stats()}
+
+    def _notify(self, before: Cursor) -> None:
+        if self._state.cursor() != before:
+            self._changed.set()
+            self._changed = asyncio.Event()
+
+    async def _watch(self) -> None:
+        """Drop replicas on nodes Ray reports dead, and replicas that stopped heartbeating."""
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(NODE_POLL_S)
+            try:
+                nodes = await loop.run_in_executor(None, ray.nodes)
+            except Exception as e:
+                logger.warning("directory: reading Ray's node table failed: %s", e)
+                nodes = []
+            before = self._state.cursor()
+            for node in nodes:
+                if not node["Alive"]:
+                    self._state.drop_node(node["NodeID"])
+            self._state.expire(time.monotonic(), self._replica_timeout_s)
+            self._notify(before)
+
+
+def shard_name(namespace: str, shard: int) -> str:
+    return f"directory-{namespace}-{shard}"
+
+
+def head_node_id() -> str:
+    """The Ray node id of the cluster's head node."""
+    for node in ray.nodes():
+        if node["Alive"] and "node:__internal_head__" in node["Resources"]:
+            return node["NodeID"]
+    raise RuntimeError("no live head node in ray.nodes()")
+
+
+def get_or_create_shards(
+    namespace: str, num_shards: int, *, replica_timeout_s: float = REPLICA_TIMEOUT_S
+) -> list[ray.actor.ActorHandle]:
+    """The handles of every shard of `namespace`'s Directory, creating those that do not exist.
+
+    `replica_timeout_s` applies only to shards this call creates.
+    """
+    if not isinstance(num_shards, int) or num_shards < 1:
+        raise ValueError(f"num_shards={num_shards!r}: must be a positive int")
+    if not isinstance(namespace, str) or not namespace:
+        raise ValueError(f"namespace={namespace!r}: must be a non-empty str")
+    head = NodeAffinitySchedulingStrategy(head_node_id(), soft=False)
+    return [
+        DirectoryShard.options(
+            name=shard_name(namespace, shard),
+            namespace=RAY_NAMESPACE,
+            get_if_exists=True,
+            lifetime="detached",
+            num_cpus=0,
+            max_restarts=-1,
+            # a call in flight when a shard dies runs again on its next incarnation, which
+            # answers it from its new (empty) state and epoch: the link then re-publishes
+            max_task_retries=-1,
+            scheduling_strategy=head,
+        ).remote(replica_timeout_s)
+        for shard in range(num_shards)
+    ]
+
+
+def kill_shards(namespace: str) -> int:
+    """Kill every shard of `namespace`'s Directory for good; how many there were."""
+    prefix = shard_name(namespace, 0)[:-1]
+    killed = 0
+    for actor in ray.util.list_named_actors(all_namespaces=True):
+        name = actor["name"]
+        if actor["namespace"] == RAY_NAMESPACE and name.startswith(prefix) and name[len(prefix):].isdigit():
+            try:
+                ray.kill(ray.get_actor(name, namespace=RAY_NAMESPACE), no_restart=True)
+                killed += 1
+            except ValueError:  # gone meanwhile
+                pass
+    return killed

@@ -1,0 +1,31 @@
+import pytest
+import ray
+
+from ray_actors.directory import RAY_NAMESPACE
+
+
+def kill_named_actors() -> None:
+    """Kill distkv's detached actors, which would otherwise outlive the test module that made them."""
+    for actor in ray.util.list_named_actors(all_namespaces=True):
+        if actor["namespace"] == RAY_NAMESPACE:
+            try:
+                ray.kill(ray.get_actor(actor["name"], namespace=RAY_NAMESPACE), no_restart=True)
+            except ValueError:  # gone meanwhile
+                pass
+
+
+@pytest.fixture(scope="module")
+def ray_session():
+    """One local Ray for the test module, torn down with its actors after it."""
+    ray.init(
+        address="local",
+        num_cpus=2,
+        object_store_memory=200 * 1024**2,
+        include_dashboard=False,
+        namespace=RAY_NAMESPACE,
+    )
+    try:
+        yield
+    finally:
+        kill_named_actors()
+        ray.shutdown()

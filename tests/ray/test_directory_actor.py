@@ -1,0 +1,168 @@
+import os
+import time
+import uuid
+
+import pytest
+import ray
+
+from distkv.directory import DirectoryLink, Holder, ReplicaInfo, pack, shard_of
+from ray_actors.directory import get_or_create_shards, kill_shards
+
+pytestmark = pytest.mark.usefixtures("ray_session")
+
+
+def wait_for(predicate, timeout_s: float) -> float:
+    """Seconds until predicate() holds; fails the test after timeout_s."""
+    start = time.monotonic()
+    while not predicate():
+        if time.monotonic() - start > timeout_s:
+            pytest.fail(f"not true within {timeout_s} s")
+        time.sleep(0.005)
+    return time.monotonic() - start
+
+
+def new_keys(n: int) -> list[bytes]:
+    return [os.urandom(32) + b"\0\0\0\0" for _ in range(n)]
+
+
+@pytest.fixture
+def namespace():
+    ns = "test-" + uuid.uuid4().hex[:8]
+    yield ns
+    kill_shards(ns)
+
+
+@pytest.fixture
+def make_link(namespace):
+    links = []
+
+    def make(replica_id: str, num_shards: int = 2) -> DirectoryLink:
+        node_id = ray.get_runtime_context().get_node_id()
+        link = DirectoryLink(namespace, ReplicaInfo(replica_id, node_id, f"pool-{replica_id}", 64, 2, 4096), num_shards)
+        link.start()
+        links.append(link)
+        return link
+
+    yield make
+    for link in links:
+        link.close()
+
+
+def visible(link: DirectoryLink, keys, replica_id: str) -> bool:
+    return all(any(h.replica_id == replica_id for h in link.holders(k)) for k in keys)
+
+
+def invisible(link: DirectoryLink, keys) -> bool:
+    return not any(link.holders(k) for k in keys)
+
+
+def test_store_and_removal_on_one_replica_show_in_anothers_view(make_link):
+    a, b = make_link("a"), make_link("b")
+    keys = new_keys(20)
+    assert {shard_of(k, 2) for k in keys} == {0, 1}
+    a.stored([(k, i, 1000 + i) for i, k in enumerate(keys)])
+    wait_for(lambda: visible(b, keys, "a"), 10)  # the first store also waits for the shards to start
+    node_id = ray.get_runtime_context().get_node_id()
+    assert b.holders(keys[3]) == (Holder("a", node_id, 3, 1003),)
+    assert b.replica("a") == a.info and b.replica("nobody") is None
+    assert invisible(a, keys)  # a's view leaves out a itself
+    assert a.query(keys[:2]) == [(Holder("a", node_id, 0, 1000),), (Holder("a", node_id, 1, 1001),)]
+
+    more = new_keys(5)
+    a.stored([(k, 20 + i, 2000 + i) for i, k in enumerate(more)])
+    wait_for(lambda: visible(b, more, "a"), 2)
+    b.stored([(keys[0], 7, 7)])
+    a.removed(keys[:10])
+    wait_for(lambda: invisible(b, keys[1:10]), 2)
+    wait_for(lambda: visible(a, keys[:1], "b"), 2)
+    assert [h.replica_id for h in b.query(keys[:1])[0]] == ["b"]
+    assert visible(b, keys[10:], "a")
+
+
+def test_restarted_directory_is_refilled_by_the_links(make_link, namespace):
+    a, b = make_link("a"), make_link("b")
+    keys = new_keys(20)
+    a.stored([(k, i, 1) for i, k in enumerate(keys)])
+    wait_for(lambda: visible(b, keys, "a"), 10)
+    shards = get_or_create_shards(namespace, 2)
+    epochs = [s["epoch"] for s in ray.get([shard.stats.remote() for shard in shards])]
+
+    for shard in shards:
+        ray.kill(shard, no_restart=False)
+    late = new_keys(5)
+    a.stored([(k, 40 + i, 2) for i, k in enumerate(late)])  # while the Directory restarts
+    assert b.holders(keys[0])  # the view answers from what it had
+
+    wait_for(lambda: all(a.query(keys + late, timeout_s=10)), 10)
+    wait_for(lambda: visible(b, keys + late, "a"), 5)
+    stats = ray.get([shard.stats.remote() for shard in shards])
+    assert all(s["epoch"] != epoch for s, epoch in zip(stats, epochs))
+    assert sum(s["holders"] for s in stats) == len(keys + late)
+
+
+def test_close_unregisters(make_link):
+    a, b = make_link("a"), make_link("b")
+    keys = new_keys(10)
+    a.stored([(k, i, 1) for i, k in enumerate(keys)])
+    wait_for(lambda: visible(b, keys, "a"), 10)
+    a.close()
+    wait_for(lambda: invisible(b, keys), 2)
+    assert b.query(keys) == [()] * len(keys)
+    wait_for(lambda: b.replica("a") is None, 2)
+
+
+def test_replica_that_stops_heartbeating_expires(make_link, namespace):
+    (shard,) = get_or_create_shards(namespace, 1, replica_timeout_s=1.5)
+    alive, watcher = make_link("alive", 1), make_link("watcher", 1)
+    ghost_keys, alive_keys = new_keys(3), new_keys(3)
+    ghost = ReplicaInfo("ghost", watcher.info.node_id, "pool-ghost", 8, 1, 4096)
+    ray.get(shard.register.remote(ghost, 1, pack([(k, i, 1) for i, k in enumerate(ghost_keys)])))
+    alive.stored([(k, i, 1) for i, k in enumerate(alive_keys)])
+    wait_for(lambda: visible(watcher, ghost_keys, "ghost") and visible(watcher, alive_keys, "alive"), 10)
+    waited = wait_for(lambda: invisible(watcher, ghost_keys), 5)
+    assert waited > 0.5
+    assert visible(watcher, alive_keys, "alive")  # its link heartbeats
+    assert ray.get(shard.stats.remote())["expired_replicas"] == 1
+
+
+def test_replica_the_directory_forgot_publishes_again(make_link, namespace):
+    a, b = make_link("a", 1), make_link("b", 1)
+    keys = new_keys(5)
+    a.stored([(k, i, 1) for i, k in enumerate(keys)])
+    wait_for(lambda: visible(b, keys, "a"), 10)
+    (shard,) = get_or_create_shards(namespace, 1)
+    assert ray.get(shard.unregister.remote("a"))  # as if a had been expired during a long pause
+    wait_for(lambda: invisible(b, keys), 2)
+    wait_for(lambda: visible(b, keys, "a"), 3)  # a's next heartbeat hears it is unknown
+
+
+def test_directory_down_blocks_no_caller(make_link, namespace):
+    a, b = make_link("a"), make_link("b")
+    keys = new_keys(10)
+    a.stored([(k, i, 1) for i, k in enumerate(keys)])
+    wait_for(lambda: visible(b, keys, "a"), 10)
+    assert kill_shards(namespace) == 2
+
+    start = time.monotonic()
+    for _ in range(100):
+        a.stored([(k, 0, 2) for k in new_keys(10)])
+        a.removed(keys[:1])
+        assert visible(b, keys, "a")
+    assert time.monotonic() - start < 1.0
+    start = time.monotonic()
+    a.close()
+    b.close()
+    assert time.monotonic() - start < 5.0
+
+
+def test_bad_input_is_refused_before_queueing(make_link):
+    a = make_link("a")
+    with pytest.raises(ValueError, match="is a str, not bytes"):
+        a.stored([(new_keys(1)[0], 1, 1), ("k" * 36, 1, 1)])
+    with pytest.raises(ValueError, match="row 64"):
+        a.stored([(new_keys(1)[0], 64, 1)])
+    with pytest.raises(ValueError, match="is a int, not bytes"):
+        a.removed([7])
+    with pytest.raises(ValueError, match="is a str, not bytes"):
+        a.holders("k")
+    assert a.holders(new_keys(1)[0]) == ()

@@ -1,0 +1,299 @@
+import os
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from distkv.directory import (
+    Cursor,
+    DirectoryState,
+    Holder,
+    ReplicaInfo,
+    ShardView,
+    shard_of,
+)
+
+
+def key(i: int) -> bytes:
+    return i.to_bytes(8, "big") * 4 + b"\0\0\0\0"
+
+
+def info(replica_id: str, node_id: str = "node-1", num_rows: int = 16) -> ReplicaInfo:
+    return ReplicaInfo(replica_id, node_id, f"pool-{replica_id}", num_rows, 1, 4096)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def clock():
+    return Clock()
+
+
+@pytest.fixture
+def state(clock):
+    s = DirectoryState(clock=clock)
+    s.register(info("a", "node-1"))
+    s.register(info("b", "node-2"))
+    return s
+
+
+def snapshot(s: DirectoryState):
+    """What a change would show in: sizes and counts, cursor, holders."""
+    holders = s.query([key(i) for i in range(8)])
+    counts = {name: n for name, n in s.stats().items() if not name.startswith("quer")}
+    return counts, s.cursor(), holders
+
+
+def test_publish_then_query(state):
+    assert state.publish("a", 1, [(key(1), 3, 30), (key(2), 4, 40)], [])
+    assert state.query([key(1), key(2), key(3)]) == [
+        (Holder("a", "node-1", 3, 30),),
+        (Holder("a", "node-1", 4, 40),),
+        (),
+    ]
+    assert state.stats()["keys"] == 2 and state.stats()["holders"] == 2
+
+
+def test_two_holders_and_removal_by_one(state):
+    state.publish("a", 1, [(key(1), 3, 30)], [])
+    state.publish("b", 1, [(key(1), 5, 50)], [])
+    assert set(state.query([key(1)])[0]) == {Holder("a", "node-1", 3, 30), Holder("b", "node-2", 5, 50)}
+    state.publish("a", 2, [], [key(1)])
+    assert state.query([key(1)]) == [(Holder("b", "node-2", 5, 50),)]
+    state.publish("b", 2, [], [key(1), key(7)])  # removing a key not held is a no-op
+    assert state.query([key(1)]) == [()]
+    assert state.stats()["keys"] == 0 and state.stats()["holders"] == 0
+
+
+def test_store_again_replaces_the_replicas_holder(state):
+    state.publish("a", 1, [(key(1), 3, 30)], [])
+    state.publish("a", 2, [(key(1), 9, 31)], [])
+    assert state.query([key(1)]) == [(Holder("a", "node-1", 9, 31),)]
+    assert state.stats()["holders"] == 1
+
+
+def test_removed_applies_before_stored(state):
+    state.publish("a", 1, [(key(1), 3, 30)], [])
+    state.publish("a", 2, [(key(1), 4, 31)], [key(1)])
+    assert state.query([key(1)]) == [(Holder("a", "node-1", 4, 31),)]
+
+
+def test_seq_not_greater_than_last_is_ignored(state):
+    assert state.publish("a", 5, [(key(1), 3, 30)], [])
+    assert state.publish("a", 5, [(key(2), 3, 30)], [])  # a retried batch
+    assert state.publish("a", 4, [], [key(1)])  # an old one arriving late
+    assert state.query([key(1), key(2)]) == [(Holder("a", "node-1", 3, 30),), ()]
+    assert state.stats()["ignored_publishes"] == 2
+
+
+def test_publish_from_unknown_replica_is_refused(state):
+    before = snapshot(state)
+    assert not state.publish("zz", 1, [(key(1), 3, 30)], [])
+    assert state.query([key(1)]) == [()]
+    assert snapshot(state)[1:] == before[1:]
+
+
+def test_unregister_drops_holders(state):
+    state.publish("a", 1, [(key(1), 3, 30), (key(2), 4, 40)], [])
+    state.publish("b", 1, [(key(2), 5, 50)], [])
+    assert state.unregister("a")
+    assert not state.unregister("a")
+    assert state.query([key(1), key(2)]) == [(), (Holder("b", "node-2", 5, 50),)]
+    assert not state.publish("a", 2, [(key(3), 1, 1)], [])
+    assert state.stats()["replicas"] == 1
+
+
+def test_register_again_starts_over(state):
+    state.publish("a", 7, [(key(1), 3, 30)], [])
+    state.register(info("a", "node-3"))
+    assert state.query([key(1)]) == [()]
+    assert state.publish("a", 1, [(key(2), 3, 30)], [])  # a new process counts from 1 again
+    assert state.query([key(2)]) == [(Holder("a", "node-3", 3, 30),)]
+
+
+def test_drop_node(state):
+    state.register(info("c", "node-1"))
+    for i, r in enumerate("abc"):
+        state.publish(r, 1, [(key(i), 1, 1), (key(9), i, 1)], [])
+    assert sorted(state.drop_node("node-1")) == ["a", "c"]
+    assert state.query([key(0), key(1), key(2), key(9)]) == [
+        (),
+        (Holder("b", "node-2", 1, 1),),
+        (),
+        (Holder("b", "node-2", 1, 1),),
+    ]
+    assert state.drop_node("node-1") == []
+    assert state.stats()["replicas"] == 1 and state.stats()["holders"] == 2
+
+
+def test_expire_drops_silent_replicas_and_publish_is_a_heartbeat(state, clock):
+    state.publish("a", 1, [(key(1), 1, 1)], [])
+    state.publish("b", 1, [(key(2), 1, 1)], [])
+    clock.now = 8.0
+    state.publish("b", 2, [], [])  # heartbeat
+    assert state.expire(5.0, 5.0) == []
+    assert state.expire(9.0, 5.0) == ["a"]
+    assert state.query([key(1), key(2)]) == [(), (Holder("b", "node-2", 1, 1),)]
+    clock.now = 12.0
+    state.publish("b", 2, [], [])  # even a duplicate shows the replica is alive
+    assert state.expire(16.0, 5.0) == []
+    assert state.expire(17.5, 5.0) == ["b"]
+
+
+def follow(s: DirectoryState, view: ShardView) -> None:
+    view.apply(s.changes(view.cursor))
+
+
+def test_changes_from_nothing_is_a_snapshot(state):
+    state.publish("a", 1, [(key(1), 3, 30)], [])
+    changes = state.changes(None)
+    assert changes.is_snapshot
+    assert changes.cursor == state.cursor()
+    assert set(changes.replicas) == {"a", "b"} and changes.replicas["a"] == info("a", "node-1")
+    view = ShardView()
+    view.apply(changes)
+    assert view.holders == {key(1): (Holder("a", "node-1", 3, 30),)}
+
+
+def test_changes_after_cursor_are_incremental(state):
+    view = ShardView()
+    follow(state, view)
+    state.publish("a", 1, [(key(1), 3, 30), (key(2), 4, 40)], [])
+    state.publish("a", 2, [], [key(1)])
+    changes = state.changes(view.cursor)
+    assert not changes.is_snapshot
+    assert changes.replicas is None  # no replica came or went
+    assert changes.entries == [
+        ("a", "node-1", [(key(1), 3, 30), (key(2), 4, 40)], []),
+        ("a", "node-1", [], [key(1)]),
+    ]
+    view.apply(changes)
+    assert view.holders == {key(2): (Holder("a", "node-1", 4, 40),)}
+    up_to_date = state.changes(view.cursor)
+    assert up_to_date.entries == [] and up_to_date.cursor == view.cursor
+    state.register(info("c"))
+    assert set(state.changes(view.cursor).replicas) == {"a", "b", "c"}
+
+
+def test_cursor_off_a_truncated_log_gets_a_snapshot(clock):
+    s = DirectoryState(log_capacity=4, clock=clock)
+    s.register(info("a"))
+    view = ShardView()
+    follow(s, view)
+    for seq in range(1, 6):
+        s.publish("a", seq, [(key(seq), seq, seq)], [key(seq - 1)])
+    changes = s.changes(view.cursor)
+    assert changes.is_snapshot
+    assert changes.entries == [("a", "node-1", [(key(5), 5, 5)], [])]
+    assert s.stats()["log_entries"] == 2
+
+
+def test_cursor_of_another_epoch_gets_a_snapshot(state):
+    view = ShardView()
+    follow(state, view)
+    state.publish("a", 1, [(key(1), 3, 30)], [])
+    restarted = DirectoryState()
+    assert restarted.epoch != state.epoch
+    changes = restarted.changes(view.cursor)
+    assert changes.is_snapshot and changes.entries == [] and changes.replicas == {}
+    stale_position = Cursor(state.epoch, view.cursor.position + 10, view.cursor.replicas_version)
+    assert state.changes(stale_position).is_snapshot
+
+
+def test_view_excludes_its_own_replica(state):
+    state.publish("a", 1, [(key(1), 3, 30)], [])
+    state.publish("b", 1, [(key(1), 5, 50), (key(2), 5, 50)], [])
+    view = ShardView(exclude="a")
+    follow(state, view)
+    assert view.holders == {key(1): (Holder("b", "node-2", 5, 50),), key(2): (Holder("b", "node-2", 5, 50),)}
+
+
+ops = st.lists(
+    st.one_of(
+        st.tuples(st.just("publish"), st.sampled_from("abc"), st.lists(st.tuples(st.integers(0, 9), st.integers(0, 15)), max_size=4), st.lists(st.integers(0, 9), max_size=3)),
+        st.tuples(st.just("register"), st.sampled_from("abc")),
+        st.tuples(st.just("unregister"), st.sampled_from("abc")),
+        st.tuples(st.just("drop_node"), st.sampled_from(["node-1", "node-2"])),
+        st.tuples(st.just("follow"), st.integers(0, 1)),
+    ),
+    max_size=40,
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(ops, st.integers(1, 12))
+def test_followers_replaying_changes_match_the_state(program, log_capacity):
+    s = DirectoryState(log_capacity=log_capacity)
+    views = [ShardView(), ShardView(exclude="a")]
+    seqs = dict.fromkeys("abc", 0)
+    for op in program:
+        if op[0] == "publish":
+            _, r, stored, removed = op
+            seqs[r] += 1
+            s.publish(r, seqs[r], [(key(k), row, seqs[r]) for k, row in stored], [key(k) for k in removed])
+        elif op[0] == "register":
+            s.register(info(op[1], "node-1" if op[1] == "a" else "node-2"))
+        elif op[0] == "unregister":
+            s.unregister(op[1])
+        elif op[0] == "drop_node":
+            s.drop_node(op[1])
+        else:
+            follow(s, views[op[1]])
+    for view in views:
+        follow(s, view)
+        truth = dict(zip(map(key, range(10)), s.query([key(k) for k in range(10)])))
+        expected = {
+            k: tuple(h for h in holders if h[0] != view.exclude) for k, holders in truth.items()
+        }
+        assert {k: set(v) for k, v in view.holders.items()} == {k: set(v) for k, v in expected.items() if v}
+        assert view.replicas == s.changes(None).replicas
+        assert view.cursor == s.cursor()
+
+
+def test_shard_of_spreads_hashed_keys():
+    keys = [os.urandom(32) + b"\0\0\0\0" for _ in range(20000)]
+    for num_shards in (1, 2, 4, 7):
+        counts = [0] * num_shards
+        for k in keys:
+            counts[shard_of(k, num_shards)] += 1
+        assert all(abs(c - len(keys) / num_shards) < 0.05 * len(keys) / num_shards for c in counts)
+    assert all(shard_of(k, 4) == shard_of(bytes(k), 4) for k in keys[:10])
+
+
+@pytest.mark.parametrize(
+    "stored, removed, problem",
+    [
+        ([("not bytes" * 4, 1, 1)], [], "not bytes"),
+        ([(key(1), 1, 1), (b"abc", 1, 1)], [], "3 bytes long"),
+        ([(key(1), 16, 1)], [], "row 16"),
+        ([(key(1), -1, 1)], [], "row -1"),
+        ([(key(1), "1", 1)], [], "row '1'"),
+        ([(key(1), 1, None)], [], "generation None"),
+        ([(key(1), 1)], [], "not a (key, row, generation)"),
+        ([(key(1), 1, 1)], [key(2), 42], "42 is a int, not bytes"),
+    ],
+)
+def test_bad_publish_raises_and_changes_nothing(state, stored, removed, problem):
+    state.publish("a", 1, [(key(0), 0, 0)], [])
+    before = snapshot(state)
+    with pytest.raises(ValueError, match=problem.replace("(", r"\(").replace(")", r"\)")):
+        state.publish("a", 2, stored, removed)
+    assert snapshot(state) == before
+    assert state.publish("a", 2, [(key(1), 1, 1)], [])  # seq 2 was not consumed
+
+
+def test_bad_query_and_register_raise(state):
+    with pytest.raises(ValueError, match="is a str, not bytes"):
+        state.query([key(1), "k"])
+    with pytest.raises(ValueError, match="not a ReplicaInfo"):
+        state.register(("a", "node-1"))
+    with pytest.raises(ValueError, match="num_rows=0"):
+        ReplicaInfo("a", "n", "p", 0, 1, 1)
+    with pytest.raises(ValueError, match="cursor"):
+        state.changes(42)
