@@ -80,3 +80,38 @@ class LocalOffloadingSpec(OffloadingSpec):
             self._pool.close()
             self._pool = None
 
+
+class RayOffloadingSpec(LocalOffloadingSpec):
+    """A replica of a Ray cluster, sharing one cache with every replica of its namespace.
+
+    The scheduler's manager joins the cluster (`ray_address`; none starts an embedded
+    local Ray), makes sure this node's NodeAgent runs, registers the replica with the
+    Directory and returns a ClusterOffloadingManager. Workers only need the pool, as with
+    the local spec.
+    """
+
+    def get_manager(self) -> "ClusterOffloadingManager":
+        import ray
+
+        from distkv.cluster import ClusterOffloadingManager
+        from distkv.directory import DirectoryLink, ReplicaInfo
+        from distkv.promotion import Promoter
+        from ray_actors.node_agent import RAY_NAMESPACE, AgentFetch, start_node_agent
+
+        if not ray.is_initialized():
+            ray.init(address=self.config.ray_address, namespace=RAY_NAMESPACE)
+        node_id = ray.get_runtime_context().get_node_id()
+        ray.get(start_node_agent(node_id).node_id.remote())
+        info = ReplicaInfo(
+            self.replica_id, node_id, self.pool_name, self.layout.num_rows, self.layout.num_ranks, self.layout.slot_bytes
+        )
+        link = DirectoryLink(self.namespace, info, self.config.directory_shards)
+        link.start()
+        promoter = Promoter(self.pool, node_id, link.replica, AgentFetch())
+        return ClusterOffloadingManager(
+            super().get_manager(),
+            link,
+            promoter,
+            store_policy=self.config.store_policy,
+            promotion_timeout_s=self.config.promotion_timeout_s,
+        )

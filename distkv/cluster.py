@@ -1,0 +1,163 @@
+"""ClusterOffloadingManager: a replica's manager, its own pool first, then the cluster's."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Collection, Iterable
+
+from distkv.abstract import (
+    LoadStoreSpec,
+    OffloadingEvent,
+    OffloadingManager,
+    OffloadKey,
+    PrepareStoreOutput,
+    ReqContext,
+)
+from distkv.config import STORE_POLICIES
+from distkv.directory import DirectoryLink
+from distkv.manager import LocalOffloadingManager
+from distkv.promotion import Promoter, Promotion
+
+
+class ClusterOffloadingManager(OffloadingManager):
+    """The seed OffloadingManager of one replica in a cluster.
+
+    Wraps the replica's LocalOffloadingManager and adds what other replicas hold:
+    - lookup of a key absent locally but held elsewhere (per the replica's view of the
+      Directory) reserves a local row and starts a promotion; lookups answer None until
+      the block is local (then True), or False once the promotion failed or timed out;
+    - every stored and removed block is reported to the Directory, batched, from the
+      DirectoryLink's thread.
+    Nothing here waits on the network: the view is an in-process dict, promotions and
+    publishing run on background threads, and their results are applied here, on the
+    scheduler's thread, at the next call.
+    """
+
+    def __init__(
+        self,
+        local: LocalOffloadingManager,
+        link: DirectoryLink,
+        promoter: Promoter,
+        store_policy: str = "always",
+        promotion_timeout_s: float = 5.0,
+    ):
+        if store_policy not in STORE_POLICIES:
+            raise ValueError(f"store_policy={store_policy!r} must be one of {list(STORE_POLICIES)}")
+        if promotion_timeout_s <= 0:
+            raise ValueError(f"promotion_timeout_s={promotion_timeout_s} must be positive")
+        self.local = local
+        self.link = link
+        self.promoter = promoter
+        self.dedupe = store_policy == "dedupe"
+        self.promotion_timeout_s = promotion_timeout_s
+        self._events: list[OffloadingEvent] = []
+        # keys whose promotion failed, and until when lookups answer False for them
+        self._failed: dict[OffloadKey, float] = {}
+        self._promoting: set[OffloadKey] = set()
+        self._promotion_ctx = ReqContext(req_id="distkv-promotion")
+
+    # ---- the hot path ----------------------------------------------------------------
+
+    def lookup(self, key: OffloadKey, req_context: ReqContext) -> bool | None:
+        if self.promoter.has_finished():
+            self._apply_promotions()
+        hit = self.local.lookup(key, req_context)
+        if hit is not False:
+            return hit
+        holders = self.link.holders(key)
+        if not holders:
+            return False
+        return self._promote(key, holders)
+
+    def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> LoadStoreSpec:
+        return self.local.prepare_load(keys, req_context)
+
+    def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
+        self.local.touch(keys, req_context)
+
+    def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
+        self.local.complete_load(keys, req_context)
+
+    def prepare_store(self, keys: Collection[OffloadKey], req_context: ReqContext) -> PrepareStoreOutput | None:
+        if self.promoter.has_finished():
+            self._apply_promotions()
+        if self.dedupe:
+            keys = [k for k in keys if not self.link.holders(k)]
+        out = self.local.prepare_store(keys, req_context)
+        self._forward_events()
+        return out
+
+    def complete_store(self, keys: Collection[OffloadKey], req_context: ReqContext, success: bool = True) -> None:
+        self.local.complete_store(keys, req_context, success)
+        self._forward_events()
+
+    def take_events(self) -> Iterable[OffloadingEvent]:
+        if self.promoter.has_finished():
+            self._apply_promotions()
+        events, self._events = self._events, []
+        yield from events
+
+    def reset_cache(self) -> None:
+        self.local.reset_cache()
+        self._failed.clear()
+        self._forward_events()
+
+    def shutdown(self) -> None:
+        self.promoter.close()
+        self._apply_promotions()
+        self.link.close()
+        self.local.shutdown()
+
+    # ---- promotion -------------------------------------------------------------------
+
+    @property
+    def promotions_in_flight(self) -> int:
+        return len(self._promoting)
+
+    def _promote(self, key: OffloadKey, holders) -> bool | None:
+        now = time.monotonic()
+        failed_until = self._failed.get(key)
+        if failed_until is not None:
+            if failed_until > now:
+                return False
+            del self._failed[key]
+        out = self.local.prepare_store([key], self._promotion_ctx)
+        self._forward_events()
+        if out is None or not out.keys_to_store:
+            return False  # no room: compute it instead
+        spec = out.store_spec
+        self._promoting.add(key)
+        self.promoter.submit(
+            Promotion(key, int(spec.block_ids[0]), int(spec.generations[0]), holders, now + self.promotion_timeout_s)
+        )
+        return None
+
+    def _apply_promotions(self) -> None:
+        retry_at = time.monotonic() + self.promotion_timeout_s
+        succeeded, failed = [], []
+        for key, ok in self.promoter.finished():
+            self._promoting.discard(key)
+            (succeeded if ok else failed).append(key)
+        if succeeded:
+            self.local.complete_store(succeeded, self._promotion_ctx, success=True)
+        if failed:
+            self.local.complete_store(failed, self._promotion_ctx, success=False)
+            for key in failed:
+                self._failed[key] = retry_at
+        self._forward_events()
+
+    # ---- events ----------------------------------------------------------------------
+
+    def _forward_events(self) -> None:
+        """Pass the local manager's events on to vLLM and, as holder updates, to the Directory."""
+        for event in self.local.take_events():
+            self._events.append(event)
+            if event.removed:
+                self.link.removed(event.keys)
+            else:
+                entries = []
+                for key in event.keys:
+                    block = self.local.block(key)
+                    if block is not None:
+                        entries.append((key, block[0], block[1]))
+                self.link.stored(entries)

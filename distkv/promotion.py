@@ -1,0 +1,240 @@
+"""Promotion: making a block that another replica holds local to this one.
+
+The manager reserves a local row for the block (an in-flight store, so lookups say
+"retry" meanwhile) and submits a Promotion. The Promoter's thread reads the holder's
+slots — straight from its shared memory when it is on this node, through the holder
+node's NodeAgent and the object store otherwise — writes them into the reserved row and
+checks every slot against the checksum in the holder's header. The manager collects the
+outcome on its own thread and completes (or fails) the store. A block that does not
+check out is a miss, never data.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass
+
+import numpy as np
+
+from distkv.abstract import OffloadKey
+from distkv.directory import Holder, ReplicaInfo
+from distkv.pool import HostPool, PoolLayout, checksum
+
+logger = logging.getLogger(__name__)
+
+# Per row, per rank: (nbytes, checksum) of a validated slot copy; None for a row that
+# did not check out at the holder.
+SlotMeta = list[tuple[int, int]] | None
+RowsRead = tuple[np.ndarray, list[SlotMeta]]
+# fetch(holder's replica info, rows, keys, generations) -> future of RowsRead
+RemoteFetch = Callable[[ReplicaInfo, list[int], list[OffloadKey], list[int]], "Future[RowsRead]"]
+
+
+def layout_of(info: ReplicaInfo) -> PoolLayout:
+    return PoolLayout(info.num_rows, info.num_ranks, info.slot_bytes)
+
+
+def read_rows(pool: HostPool, rows: Sequence[int], keys: Sequence[OffloadKey], generations: Sequence[int]) -> RowsRead:
+    """Validated copies of whole rows (every rank's slot): what a holder serves."""
+    layout = pool.layout
+    out = np.empty((len(rows), layout.num_ranks, layout.slot_bytes), dtype=np.uint8)
+    metas: list[SlotMeta] = []
+    for i, (row, key, gen) in enumerate(zip(rows, keys, generations)):
+        meta = []
+        for rank in range(layout.num_ranks):
+            read = pool.read(rank, row, key, gen, out[i, rank])
+            if read is None:
+                meta = None
+                break
+            meta.append(read)
+        metas.append(meta)
+    return out, metas
+
+
+@dataclass
+class Promotion:
+    key: OffloadKey
+    row: int  # the local row reserved for it
+    generation: int  # the local generation it will be sealed with
+    holders: tuple[Holder, ...]
+    deadline: float  # time.monotonic() after which it fails
+
+
+class Promoter:
+    """Runs promotions on one background thread; the manager drains `finished()`."""
+
+    def __init__(
+        self,
+        pool: HostPool,
+        node_id: str,
+        replica_info: Callable[[str], ReplicaInfo | None],
+        fetch_remote: RemoteFetch,
+    ):
+        self._pool = pool
+        self._node_id = node_id
+        self._replica_info = replica_info
+        self._fetch_remote = fetch_remote
+        self._submitted: queue.SimpleQueue[Promotion | None] = queue.SimpleQueue()
+        self._finished: deque[tuple[OffloadKey, bool]] = deque()
+        # (future of the rows read, holder, promotions still waiting on it, row index of each key)
+        self._in_flight: list[tuple[Future, ReplicaInfo, list[Promotion], dict[OffloadKey, int]]] = []
+        self.bytes_same_node = 0
+        self.bytes_cross_node = 0
+        self._thread = threading.Thread(target=self._run, name="distkv-promoter", daemon=True)
+        self._thread.start()
+
+    def submit(self, promotion: Promotion) -> None:
+        self._submitted.put(promotion)
+
+    def finished(self) -> list[tuple[OffloadKey, bool]]:
+        """(key, success) of the promotions that ended since the last call."""
+        done = []
+        while self._finished:
+            done.append(self._finished.popleft())
+        return done
+
+    def has_finished(self) -> bool:
+        return bool(self._finished)
+
+    def close(self) -> None:
+        self._submitted.put(None)
+        self._thread.join(timeout=10)
+
+    # ---- the thread ----------------------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            batch = self._take_batch()
+            if batch is None:
+                for _, _, promotions, _ in self._in_flight:
+                    self._finish(promotions, False)
+                return
+            if batch:
+                self._start(batch)
+            self._collect()
+
+    def _take_batch(self) -> list[Promotion] | None:
+        """Everything submitted so far; waits briefly for the first when idle."""
+        batch: list[Promotion] = []
+        try:
+            item = self._submitted.get(timeout=0.002 if self._in_flight else 0.05)
+            while True:
+                if item is None:
+                    return None
+                batch.append(item)
+                item = self._submitted.get_nowait()
+        except queue.Empty:
+            return batch
+
+    def _start(self, batch: list[Promotion]) -> None:
+        by_holder: dict[str, tuple[ReplicaInfo, list[Promotion]]] = {}
+        for p in batch:
+            info = self._choose(p)
+            if info is None:
+                self._finish([p], False)
+                continue
+            by_holder.setdefault(info.replica_id, (info, []))[1].append(p)
+        for info, promotions in by_holder.values():
+            if info.node_id == self._node_id:
+                self._copy_same_node(info, promotions)
+            else:
+                held = [self._held_row(p, info) for p in promotions]
+                try:
+                    future = self._fetch_remote(
+                        info, [h.row for h in held], [p.key for p in promotions], [h.generation for h in held]
+                    )
+                except Exception:
+                    logger.warning("promotion from %s could not start", info.replica_id, exc_info=True)
+                    self._finish(promotions, False)
+                    continue
+                index = {p.key: i for i, p in enumerate(promotions)}
+                self._in_flight.append((future, info, promotions, index))
+
+    def _choose(self, p: Promotion) -> ReplicaInfo | None:
+        """A holder whose pool we can read, on this node if possible."""
+        mine = self._pool.layout
+        candidates = []
+        for holder in p.holders:
+            info = self._replica_info(holder.replica_id)
+            if info is not None and (info.num_ranks, info.slot_bytes) == (mine.num_ranks, mine.slot_bytes):
+                candidates.append(info)
+        candidates.sort(key=lambda info: info.node_id != self._node_id)
+        return candidates[0] if candidates else None
+
+    @staticmethod
+    def _held_row(p: Promotion, info: ReplicaInfo) -> Holder:
+        return next(h for h in p.holders if h.replica_id == info.replica_id)
+
+    def _copy_same_node(self, info: ReplicaInfo, promotions: list[Promotion]) -> None:
+        try:
+            holder_pool = HostPool(info.pool_name, layout_of(info), create=False)
+        except (FileNotFoundError, ValueError):
+            self._finish(promotions, False)
+            return
+        try:
+            for p in promotions:
+                held = self._held_row(p, info)
+                ok = self._write_local(p, lambda rank, out: holder_pool.read(rank, held.row, p.key, held.generation, out))
+                self._finish([p], ok)
+                if ok:
+                    self.bytes_same_node += self._pool.layout.num_ranks * self._pool.layout.slot_bytes
+        finally:
+            holder_pool.close()
+
+    def _collect(self) -> None:
+        now = time.monotonic()
+        still = []
+        for future, info, promotions, index in self._in_flight:
+            if not future.done():
+                expired = [p for p in promotions if p.deadline <= now]
+                if expired:
+                    self._finish(expired, False)
+                    promotions = [p for p in promotions if p.deadline > now]
+                if promotions:
+                    still.append((future, info, promotions, index))
+                continue
+            try:
+                data, metas = future.result()
+            except Exception as e:
+                logger.warning("promotion from %s failed: %s", info.replica_id, e)
+                self._finish(promotions, False)
+                continue
+            for p in promotions:
+                i = index[p.key]
+                ok = metas[i] is not None and self._write_local(
+                    p, lambda rank, out, i=i: _copy_checked(data[i, rank], metas[i][rank], out)
+                )
+                if ok:
+                    self.bytes_cross_node += sum(n for n, _ in metas[i])
+                self._finish([p], ok)
+        self._in_flight = still
+
+    def _write_local(self, p: Promotion, read_slot: Callable[[int, np.ndarray], tuple[int, int] | None]) -> bool:
+        """Fill every rank's slot of the reserved row through read_slot, then seal it."""
+        rows = np.array([p.row])
+        gens = np.array([p.generation], dtype=np.uint64)
+        for rank in range(self._pool.layout.num_ranks):
+            self._pool.begin_write(rank, rows)
+            read = read_slot(rank, self._pool.payload[rank, p.row])
+            if read is None:
+                return False
+            nbytes, checksum = read
+            self._pool.seal(rank, rows, [p.key], gens, nbytes, [checksum])
+        return True
+
+    def _finish(self, promotions: list[Promotion], ok: bool) -> None:
+        for p in promotions:
+            self._finished.append((p.key, ok))
+
+
+def _copy_checked(src: np.ndarray, meta: tuple[int, int], out: np.ndarray) -> tuple[int, int] | None:
+    """Copy a slot received from another node; None if it does not match its checksum."""
+    nbytes, expected = meta
+    out[:nbytes] = src[:nbytes]
+    return meta if checksum(out[:nbytes]) == expected else None

@@ -1,0 +1,115 @@
+"""Replicas sharing one cache through the real Directory and spec, on one local Ray node."""
+
+import os
+import time
+import uuid
+
+import numpy as np
+import pytest
+import ray
+
+from distkv.abstract import ReqContext
+from distkv.harness import Replica, block_keys
+from distkv.pool import SEGMENT_PREFIX
+from distkv.spec import RayOffloadingSpec
+from ray_actors.directory import get_or_create_shards, kill_shards
+
+BLOCK_TOKENS = 16
+PAGE_BYTES = 32 << 10
+
+
+def make_replica(salt: str, pool_blocks: int = 128, **extra) -> Replica:
+    spec = RayOffloadingSpec.from_layout(
+        {"cpu_bytes_to_use": pool_blocks * 2 * PAGE_BYTES, "tenant_salt": salt, **extra},
+        gpu_block_sizes=[BLOCK_TOKENS],
+        group_page_bytes=[2 * PAGE_BYTES],
+        engine_id=f"r{uuid.uuid4().hex[:8]}",
+    )
+    return Replica(spec, num_gpu_blocks=64, page_bytes=PAGE_BYTES, step_s=0.002)
+
+
+@pytest.fixture
+def replicas(ray_session):
+    made: list[Replica] = []
+
+    def make(*args, **kw):
+        made.append(make_replica(*args, **kw))
+        return made[-1]
+
+    yield make
+    namespaces = {r.spec.namespace for r in made}
+    for r in made:
+        r.shutdown()
+    for ns in namespaces:
+        kill_shards(ns)
+
+
+def prompt(seed: int, blocks: int = 32) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 50_000, blocks * BLOCK_TOKENS)
+
+
+def wait_visible(replica: Replica, key: bytes, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not replica.manager.link.holders(key):
+        assert time.monotonic() < deadline, "store never became visible in the Directory view"
+        time.sleep(0.005)
+
+
+def test_two_replicas_share_a_prefix(replicas):
+    salt = uuid.uuid4().hex
+    a, b = replicas(salt), replicas(salt)
+    tokens = prompt(1)
+    assert a.serve(tokens).stored_blocks == 32
+    keys = block_keys(tokens, BLOCK_TOKENS)
+    wait_visible(b, keys[-1])
+
+    assert b.manager.lookup(keys[0], ReqContext("probe")) is None  # promotion under way
+    result = b.serve(tokens)
+    assert result.hit_blocks == 32
+    assert result.mismatches == 0 and result.load_failures == 0
+
+
+def test_namespaces_never_share(replicas):
+    a, b = replicas("tenant-a"), replicas("tenant-b")
+    assert a.spec.namespace != b.spec.namespace
+    tokens = prompt(2)
+    a.serve(tokens)
+    keys = block_keys(tokens, BLOCK_TOKENS)
+    deadline = time.monotonic() + 5
+    while not a.manager.link.query(keys[:1])[0]:  # A's publish has landed
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    time.sleep(0.2)
+    assert not b.manager.link.holders(keys[0])
+    assert b.serve(tokens).hit_blocks == 0
+
+
+def test_directory_restart_is_refilled_by_the_replicas(replicas):
+    salt = uuid.uuid4().hex
+    a = replicas(salt)
+    tokens = prompt(3)
+    a.serve(tokens)
+    keys = block_keys(tokens, BLOCK_TOKENS)
+    (shard,) = get_or_create_shards(a.spec.namespace, 1)
+    ray.kill(shard, no_restart=False)
+    killed = time.monotonic()
+
+    b = replicas(salt)
+    ctx = ReqContext("probe")
+    while not all(b.manager.lookup(key, ctx) is True for key in keys):
+        assert time.monotonic() - killed < 10, "prefix not hit again within 10 s of the Directory's restart"
+        time.sleep(0.05)
+    result = b.serve(tokens)
+    assert result.hit_blocks == 32 and result.mismatches == 0
+
+
+def test_no_segments_left_after_shutdown(ray_session):
+    salt = uuid.uuid4().hex
+    r = make_replica(salt)
+    name = r.spec.pool_name
+    r.serve(prompt(4, blocks=4))
+    assert os.path.exists(f"/dev/shm/{name}")
+    namespace = r.spec.namespace
+    r.shutdown()
+    kill_shards(namespace)
+    assert not [n for n in os.listdir("/dev/shm") if n.startswith(SEGMENT_PREFIX) and namespace in n]

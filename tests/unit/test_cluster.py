@@ -1,0 +1,245 @@
+"""ClusterOffloadingManager and promotion, without Ray.
+
+An in-memory Directory stands in for the actors and a direct pool read for the
+NodeAgent, so that the rules of sharing (promotion, validation, failure into misses,
+store policies, events) are tested in one process. tests/ray and tests/multinode run
+the same flows through the real actors.
+"""
+
+import time
+import uuid
+from concurrent.futures import Future
+
+import numpy as np
+import pytest
+
+from distkv.abstract import ReqContext
+from distkv.cluster import ClusterOffloadingManager
+from distkv.directory import Holder, ReplicaInfo
+from distkv.harness import Replica, block_keys
+from distkv.pool import HostPool
+from distkv.promotion import Promoter, layout_of, read_rows
+from distkv.spec import LocalOffloadingSpec
+
+BLOCK_TOKENS = 16
+PAGE_BYTES = 16 << 10
+BLOCK_BYTES = 2 * PAGE_BYTES
+
+
+class FakeDirectory:
+    def __init__(self):
+        self.holders: dict[bytes, dict[str, Holder]] = {}
+        self.infos: dict[str, ReplicaInfo] = {}
+
+
+class FakeLink:
+    """The DirectoryLink's interface over a FakeDirectory, applied immediately."""
+
+    def __init__(self, directory: FakeDirectory, info: ReplicaInfo):
+        self.directory = directory
+        self.info = info
+        directory.infos[info.replica_id] = info
+
+    def stored(self, entries):
+        for key, row, gen in entries:
+            self.directory.holders.setdefault(key, {})[self.info.replica_id] = Holder(
+                self.info.replica_id, self.info.node_id, row, gen
+            )
+
+    def removed(self, keys):
+        for key in keys:
+            self.directory.holders.get(key, {}).pop(self.info.replica_id, None)
+
+    def holders(self, key):
+        return tuple(h for r, h in self.directory.holders.get(key, {}).items() if r != self.info.replica_id)
+
+    def replica(self, replica_id):
+        return self.directory.infos.get(replica_id)
+
+    def mine(self):
+        return {k for k, hs in self.directory.holders.items() if self.info.replica_id in hs}
+
+    def close(self):
+        self.removed(list(self.directory.holders))
+
+
+class PoolFetch:
+    """Stands in for the NodeAgent: reads the holder's pool when the future is resolved."""
+
+    def __init__(self, hold: bool = False, corrupt: bool = False):
+        self.hold = hold
+        self.corrupt = corrupt
+        self.pending: list[tuple[Future, ReplicaInfo, list, list, list]] = []
+        self.calls = 0
+
+    def __call__(self, info, rows, keys, gens):
+        self.calls += 1
+        future: Future = Future()
+        self.pending.append((future, info, rows, keys, gens))
+        if not self.hold:
+            self.release()
+        return future
+
+    def release(self):
+        for future, info, rows, keys, gens in self.pending:
+            pool = HostPool(info.pool_name, layout_of(info), create=False)
+            try:
+                data, metas = read_rows(pool, rows, keys, gens)
+            finally:
+                pool.close()
+            if self.corrupt:
+                data[:, :, 0] ^= 0xFF
+            future.set_result((data, metas))
+        self.pending.clear()
+
+
+class FakeClusterSpec(LocalOffloadingSpec):
+    """The local spec with a ClusterOffloadingManager over the fakes (set after construction)."""
+
+    def get_manager(self):
+        info = ReplicaInfo(self.replica_id, self.node_id, self.pool_name, *self._layout_tuple())
+        link = FakeLink(self.directory, info)
+        promoter = Promoter(self.pool, self.node_id, link.replica, self.fetch)
+        return ClusterOffloadingManager(
+            super().get_manager(), link, promoter, self.store_policy, self.timeout_s
+        )
+
+    def _layout_tuple(self):
+        return self.layout.num_rows, self.layout.num_ranks, self.layout.slot_bytes
+
+
+def make_replica(directory, node_id, fetch=None, pool_blocks=64, store_policy="always", timeout_s=5.0):
+    spec = FakeClusterSpec.from_layout(
+        {"cpu_bytes_to_use": pool_blocks * BLOCK_BYTES},
+        gpu_block_sizes=[BLOCK_TOKENS],
+        group_page_bytes=[BLOCK_BYTES],
+        engine_id=f"r{uuid.uuid4().hex[:8]}",
+    )
+    spec.directory, spec.node_id, spec.fetch = directory, node_id, fetch or PoolFetch()
+    spec.store_policy, spec.timeout_s = store_policy, timeout_s
+    return Replica(spec, num_gpu_blocks=64, page_bytes=PAGE_BYTES, step_s=0.001)
+
+
+@pytest.fixture
+def replicas():
+    made = []
+
+    def make(*args, **kw):
+        r = make_replica(*args, **kw)
+        made.append(r)
+        return r
+
+    yield make
+    for r in made:
+        r.shutdown()
+
+
+def prompt(seed, blocks=32):
+    return np.random.default_rng(seed).integers(0, 50_000, blocks * BLOCK_TOKENS)
+
+
+@pytest.mark.parametrize("node_b", ["node-1", "node-2"], ids=["same-node", "cross-node"])
+def test_prefix_stored_on_a_is_loaded_bit_exact_by_b(replicas, node_b):
+    directory = FakeDirectory()
+    fetch = PoolFetch()
+    a = replicas(directory, "node-1")
+    b = replicas(directory, node_b, fetch=fetch)
+    tokens = prompt(1)
+    first = a.serve(tokens)
+    assert (first.hit_blocks, first.stored_blocks) == (0, 32)
+
+    keys = block_keys(tokens, BLOCK_TOKENS)
+    assert b.manager.lookup(keys[0], ReqContext("probe")) is None  # promotion started
+    second = b.serve(tokens)
+    assert second.hit_blocks == 32
+    assert second.retries >= 0 and second.mismatches == 0 and second.load_failures == 0
+    assert (fetch.calls > 0) == (node_b == "node-2")
+    # B now holds the blocks too, and says so
+    assert b.manager.link.mine() == set(keys)
+
+
+def test_block_evicted_during_promotion_is_a_miss_never_wrong_bytes(replicas):
+    directory = FakeDirectory()
+    fetch = PoolFetch(hold=True)
+    a = replicas(directory, "node-1", pool_blocks=32)
+    b = replicas(directory, "node-2", fetch=fetch)
+    tokens = prompt(2)
+    a.serve(tokens)
+    keys = block_keys(tokens, BLOCK_TOKENS)
+    ctx = ReqContext("b")
+    assert all(b.manager.lookup(k, ctx) is None for k in keys)
+    deadline = time.monotonic() + 5
+    while not fetch.pending and time.monotonic() < deadline:
+        time.sleep(0.005)
+    a.serve(prompt(3))  # fills A's 32 rows with other blocks: every promoted row is reused
+    fetch.release()
+    assert wait_lookup(b, keys[0]) is False
+    result = b.serve(tokens)
+    assert result.hit_blocks == 0 and result.mismatches == 0
+    assert b.serve(tokens).hit_blocks == 32  # B computed and stored them itself
+
+
+def test_corruption_in_transit_is_a_miss(replicas):
+    directory = FakeDirectory()
+    a = replicas(directory, "node-1")
+    b = replicas(directory, "node-2", fetch=PoolFetch(corrupt=True))
+    tokens = prompt(4)
+    a.serve(tokens)
+    result = b.serve(tokens)
+    assert result.hit_blocks == 0 and result.mismatches == 0 and result.retries >= 1
+
+
+def test_promotion_that_never_answers_times_out_into_a_miss(replicas):
+    directory = FakeDirectory()
+    a = replicas(directory, "node-1")
+    b = replicas(directory, "node-2", fetch=PoolFetch(hold=True), timeout_s=0.2)
+    tokens = prompt(5, blocks=4)
+    a.serve(tokens)
+    key = block_keys(tokens, BLOCK_TOKENS)[0]
+    start = time.monotonic()
+    assert wait_lookup(b, key) is False
+    assert time.monotonic() - start < 2
+    # it stays a miss for a while rather than retrying the holder at every lookup
+    assert b.manager.lookup(key, ReqContext("again")) is False
+
+
+def test_dedupe_store_policy_skips_blocks_held_elsewhere(replicas):
+    directory = FakeDirectory()
+    a = replicas(directory, "node-1")
+    b = replicas(directory, "node-2", store_policy="dedupe")
+    shared, own = prompt(6, blocks=8), prompt(7, blocks=8)
+    a.serve(shared)
+    b.manager.promoter.close()  # no promotions: B computes, and must not store A's blocks
+    out = b.manager.prepare_store(block_keys(shared, BLOCK_TOKENS), ReqContext("b"))
+    assert out is not None and out.keys_to_store == []
+    out = b.manager.prepare_store(block_keys(own, BLOCK_TOKENS), ReqContext("b"))
+    assert len(out.keys_to_store) == 8
+
+
+def test_directory_follows_stores_and_evictions(replicas):
+    directory = FakeDirectory()
+    a = replicas(directory, "node-1", pool_blocks=16)
+    for seed in range(4):
+        a.serve(prompt(10 + seed, blocks=8))
+    assert a.manager.link.mine() == set(a.manager.local.ready_keys())
+    assert len(a.manager.link.mine()) == 16
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [(dict(store_policy="sometimes"), "store_policy"), (dict(promotion_timeout_s=0), "promotion_timeout_s")],
+)
+def test_bad_options(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        ClusterOffloadingManager(local=None, link=None, promoter=None, **kwargs)
+
+
+def wait_lookup(replica, key, timeout=5.0):
+    ctx = ReqContext("wait")
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        hit = replica.manager.lookup(key, ctx)
+        if hit is not None:
+            return hit
+        time.sleep(0.005)
+    raise AssertionError("lookup kept answering retry")
