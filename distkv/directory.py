@@ -344,19 +344,31 @@ class DirectoryState:
 class ShardView:
     """A follower's copy of one shard: the holders of each key, kept current by `apply`.
 
-    Holders of `exclude` (the follower's own replica) are left out. Readers on other
-    threads may call `holders.get` at any time: each key's tuple is replaced, never
-    mutated, and a snapshot swaps in a whole new dict.
+    Holders of `exclude` (the follower's own replica) are left out. The shards of a link
+    share one `holders` dict (their keys are disjoint), so a reader finds any key with one
+    `holders.get`, from any thread: each key's tuple is replaced, never mutated. While a
+    snapshot is applied a reader may briefly miss a key of the shard: a miss, never a
+    wrong holder.
     """
 
-    def __init__(self, exclude: str | None = None) -> None:
+    def __init__(
+        self,
+        exclude: str | None = None,
+        holders: dict[OffloadKey, tuple[Holder, ...]] | None = None,
+        shard: int = 0,
+        num_shards: int = 1,
+    ) -> None:
         self.exclude = exclude
         self.cursor: Cursor | None = None
-        self.holders: dict[OffloadKey, tuple[Holder, ...]] = {}
+        self.holders: dict[OffloadKey, tuple[Holder, ...]] = {} if holders is None else holders
         self.replicas: dict[str, ReplicaInfo] = {}
+        self._shard = shard
+        self._num_shards = num_shards
 
     def apply(self, changes: Changes) -> None:
-        holders = {} if changes.is_snapshot else self.holders
+        holders = self.holders
+        if changes.is_snapshot:
+            self._forget_shard()
         exclude = self.exclude
         for replica_id, node_id, stored, removed in changes.entries:
             if replica_id == exclude:
@@ -365,10 +377,16 @@ class ShardView:
                 _drop_holder(holders, key, replica_id)
             for key, row, generation in stored:
                 holders[key] = _with_holder(holders.get(key), Holder(replica_id, node_id, row, generation))
-        self.holders = holders
         if changes.replicas is not None:
             self.replicas = changes.replicas
         self.cursor = changes.cursor
+
+    def _forget_shard(self) -> None:
+        if self._num_shards == 1:
+            self.holders.clear()
+            return
+        for key in [k for k in self.holders if shard_of(k, self._num_shards) == self._shard]:
+            del self.holders[key]
 
 
 # The link flushes a shard's pending changes at most this often, so they travel in batches.
@@ -402,9 +420,9 @@ class _Call:
 class _Shard:
     """What the link's thread knows of one shard."""
 
-    def __init__(self, actor: Any, exclude: str) -> None:
+    def __init__(self, actor: Any, view: ShardView) -> None:
         self.actor = actor
-        self.view = ShardView(exclude)
+        self.view = view
         self.held: dict[OffloadKey, tuple[int, int]] = {}  # this replica's blocks in the shard
         self.pending: dict[OffloadKey, tuple[int, int] | None] = {}  # not yet published; None: removed
         self.seq = 0
@@ -441,7 +459,12 @@ class DirectoryLink:
         self.info = info
         self.namespace = namespace
         self.num_shards = num_shards
-        self._shards = [_Shard(actor, info.replica_id) for actor in get_or_create_shards(namespace, num_shards)]
+        # the view of every shard, merged: one dict lookup answers `holders`
+        self._holders: dict[OffloadKey, tuple[Holder, ...]] = {}
+        self._shards = [
+            _Shard(actor, ShardView(info.replica_id, self._holders, i, num_shards))
+            for i, actor in enumerate(get_or_create_shards(namespace, num_shards))
+        ]
         self._views = [shard.view for shard in self._shards]
         self._inbox: collections.deque[tuple[bool, Sequence]] = collections.deque()
         self._wake = threading.Event()
@@ -478,17 +501,12 @@ class DirectoryLink:
         self._wake.set()
 
     def holders(self, key: OffloadKey) -> tuple[Holder, ...]:
-        """The other replicas known to hold `key`, from the local view; () if none."""
-        try:
-            found = self._views[int.from_bytes(key[:8], "big") % self.num_shards].holders.get(key)
-        except TypeError:
-            found = None
-        if found is None:
-            problem = key_problem(key)
-            if problem is not None:
-                raise ValueError(problem)
-            return ()
-        return found
+        """The other replicas known to hold `key`, from the local view; () if none.
+
+        On the scheduler's hot path: one dict lookup, no validation (callers pass keys
+        the local manager has already checked).
+        """
+        return self._holders.get(key, ())
 
     def replica(self, replica_id: str) -> ReplicaInfo | None:
         """A registered replica's info, from the local view; None if unknown."""
