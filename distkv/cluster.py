@@ -15,8 +15,11 @@ from distkv.abstract import (
 )
 from distkv.config import STORE_POLICIES
 from distkv.directory import DirectoryLink
-from distkv.manager import LocalOffloadingManager
+from distkv.manager import LocalOffloadingManager, check_keys
 from distkv.promotion import Promoter, Promotion
+
+# Failed promotions remembered (so that lookups answer a miss, not a new try) at most.
+MAX_FAILED_KEYS = 1 << 16
 
 
 class ClusterOffloadingManager(OffloadingManager):
@@ -54,23 +57,36 @@ class ClusterOffloadingManager(OffloadingManager):
         # keys whose promotion failed, and until when lookups answer False for them
         self._failed: dict[OffloadKey, float] = {}
         self._promoting: set[OffloadKey] = set()
+        # promoted blocks no load has used yet, and whether each came from this node
+        self._promoted: dict[OffloadKey, bool] = {}
+        # blocks handed to loads so far, by where they came from
+        self.blocks_loaded = {"local": 0, "same_node": 0, "cross_node": 0}
         self._promotion_ctx = ReqContext(req_id="distkv-promotion")
 
     # ---- the hot path ----------------------------------------------------------------
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> bool | None:
+        hit = self.local.lookup(key, req_context)
+        if hit:
+            return True  # the common case first: nothing else to look at
         if self.promoter.has_finished():
             self._apply_promotions()
-        hit = self.local.lookup(key, req_context)
-        if hit is not False:
-            return hit
+            hit = self.local.lookup(key, req_context)
+            if hit:
+                return True
+        if hit is None:
+            return None
         holders = self.link.holders(key)
         if not holders:
             return False
         return self._promote(key, holders)
 
     def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> LoadStoreSpec:
-        return self.local.prepare_load(keys, req_context)
+        spec = self.local.prepare_load(keys, req_context)
+        for key in keys:
+            same_node = self._promoted.pop(key, None)
+            self.blocks_loaded["local" if same_node is None else "same_node" if same_node else "cross_node"] += 1
+        return spec
 
     def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
         self.local.touch(keys, req_context)
@@ -82,6 +98,7 @@ class ClusterOffloadingManager(OffloadingManager):
         if self.promoter.has_finished():
             self._apply_promotions()
         if self.dedupe:
+            check_keys(keys)
             keys = [k for k in keys if not self.link.holders(k)]
         out = self.local.prepare_store(keys, req_context)
         self._forward_events()
@@ -100,6 +117,7 @@ class ClusterOffloadingManager(OffloadingManager):
     def reset_cache(self) -> None:
         self.local.reset_cache()
         self._failed.clear()
+        self._promoted.clear()
         self._forward_events()
 
     def shutdown(self) -> None:
@@ -113,6 +131,10 @@ class ClusterOffloadingManager(OffloadingManager):
     @property
     def promotions_in_flight(self) -> int:
         return len(self._promoting)
+
+    def is_promoting(self, key: OffloadKey) -> bool:
+        """Whether `key` is being promoted: its local row is reserved and not yet filled."""
+        return key in self._promoting
 
     def _promote(self, key: OffloadKey, holders) -> bool | None:
         now = time.monotonic()
@@ -135,13 +157,18 @@ class ClusterOffloadingManager(OffloadingManager):
     def _apply_promotions(self) -> None:
         retry_at = time.monotonic() + self.promotion_timeout_s
         succeeded, failed = [], []
-        for key, ok in self.promoter.finished():
+        for key, ok, same_node in self.promoter.finished():
             self._promoting.discard(key)
             (succeeded if ok else failed).append(key)
+            if ok:
+                self._promoted[key] = same_node
         if succeeded:
             self.local.complete_store(succeeded, self._promotion_ctx, success=True)
         if failed:
             self.local.complete_store(failed, self._promotion_ctx, success=False)
+            if len(self._failed) > MAX_FAILED_KEYS:  # keep it bounded: forget what expired
+                now = time.monotonic()
+                self._failed = {k: t for k, t in self._failed.items() if t > now}
             for key in failed:
                 self._failed[key] = retry_at
         self._forward_events()
@@ -154,6 +181,8 @@ class ClusterOffloadingManager(OffloadingManager):
             self._events.append(event)
             if event.removed:
                 self.link.removed(event.keys)
+                for key in event.keys:
+                    self._promoted.pop(key, None)
             else:
                 entries = []
                 for key in event.keys:

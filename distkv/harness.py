@@ -14,6 +14,7 @@ import itertools
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -27,11 +28,24 @@ from distkv.abstract import (
     OffloadingWorker,
     OffloadKey,
     ReqContext,
+    TransferResult,
     make_offload_key,
 )
 
-# compute(keys, gpu_block_ids, kv_tensors): write the KV of those offloaded blocks
-ComputeFn = Callable[[Sequence[OffloadKey], np.ndarray, Sequence[torch.Tensor]], None]
+
+@dataclass
+class Prefill:
+    """A prompt to compute once its offloaded prefix is loaded."""
+
+    tokens: np.ndarray  # the whole prompt
+    keys: list[OffloadKey]  # its full blocks
+    gpu_blocks: np.ndarray  # block_size_factor GPU blocks per key, in key order
+    hit_blocks: int  # leading keys whose KV is loaded in their GPU blocks already
+
+
+# compute(prefill, kv_tensors): write the KV of the blocks past the hits into their GPU
+# blocks; returns the request's output (the model's first token, say)
+ComputeFn = Callable[[Prefill, Sequence[torch.Tensor]], Any]
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 
@@ -63,6 +77,9 @@ class RequestResult:
     retries: int  # steps the request was deferred because a lookup said retry
     load_failures: int  # load jobs that reported failure (their blocks were recomputed)
     mismatches: int  # loaded blocks whose bytes differ from what computing them gives
+    first_token_s: float = 0.0  # from the request's arrival to the end of compute
+    load_s: float = 0.0  # the load job's transfer time, as its handler reported it
+    output: Any = None  # what compute returned
 
 
 class Replica:
@@ -75,13 +92,14 @@ class Replica:
         page_bytes: int,
         compute: ComputeFn | None = None,
         step_s: float = 0.002,
+        device: str | torch.device = "cpu",
     ):
         self.spec = spec
         self.manager = spec.get_manager()
         self.factor = spec.block_size_factor
         self.block_tokens = spec.gpu_block_size[0] * self.factor
         self.page_bytes = page_bytes
-        self.kv = [torch.zeros(num_gpu_blocks, page_bytes, dtype=torch.int8) for _ in range(2)]
+        self.kv = [torch.zeros(num_gpu_blocks, page_bytes, dtype=torch.int8, device=device) for _ in range(2)]
         kv_caches = CanonicalKVCaches(
             tensors=[CanonicalKVCacheTensor(t, page_bytes) for t in self.kv],
             group_data_refs=[[CanonicalKVCacheRef(0, page_bytes), CanonicalKVCacheRef(1, page_bytes)]],
@@ -97,6 +115,8 @@ class Replica:
 
     def serve(self, tokens: Sequence[int] | np.ndarray, max_retries: int = 1000) -> RequestResult:
         """Serve one prompt; returns what came from the offloaded cache."""
+        arrived = time.perf_counter()
+        tokens = np.asarray(tokens)
         keys = block_keys(tokens, self.block_tokens)
         ctx = ReqContext(req_id=f"req-{next(self._requests)}")
         retries = 0
@@ -114,17 +134,22 @@ class Replica:
         del self._free_gpu[len(self._free_gpu) - n_gpu :]
         try:
             load_failures = mismatches = 0
+            load_s = 0.0
             if hits:
-                if self._load(keys[:hits], gpu[: hits * self.factor], ctx):
+                loaded, load_s = self._load(keys[:hits], gpu[: hits * self.factor], ctx)
+                if loaded:
                     mismatches = self._count_mismatches(keys[:hits], gpu)
                 else:
                     load_failures, hits = 1, 0
-            self.compute(keys[hits:], gpu[hits * self.factor :], self.kv)
+            output = self.compute(Prefill(tokens, keys, gpu, hits), self.kv)
+            first_token_s = time.perf_counter() - arrived
             stored = self._store(keys, hits, gpu, ctx)
             self.manager.touch(keys, ctx)
         finally:
             self._free_gpu.extend(gpu.tolist())
-        return RequestResult(len(keys), hits, stored, retries, load_failures, mismatches)
+        return RequestResult(
+            len(keys), hits, stored, retries, load_failures, mismatches, first_token_s, load_s, output
+        )
 
     def shutdown(self) -> None:
         self.worker.shutdown()
@@ -136,28 +161,33 @@ class Replica:
     # ---- the connector's steps ---------------------------------------------------------
 
     def _matched_blocks(self, keys: list[OffloadKey], ctx: ReqContext) -> int | None:
+        # As vLLM's connector: a retry does not end the scan, so that the manager starts
+        # every promotion the prefix needs at once; the first miss does.
+        deferred = False
         for i, key in enumerate(keys):
             hit = self.manager.lookup(key, ctx)
             if hit is None:
-                return None
-            if not hit:
-                return i
-        return len(keys)
+                deferred = True
+            elif not hit:
+                return None if deferred else i
+        return None if deferred else len(keys)
 
-    def _run(self, src, dst) -> bool:
+    def _run(self, src, dst) -> TransferResult | None:
         job = next(self._jobs)
         if not self.worker.transfer_async(job, (src, dst)):
-            return False
+            return None
         self.worker.wait({job})
         results = {r.job_id: r for r in self.worker.get_finished()}
-        return results[job].success
+        return results[job]
 
-    def _load(self, keys: list[OffloadKey], gpu: np.ndarray, ctx: ReqContext) -> bool:
+    def _load(self, keys: list[OffloadKey], gpu: np.ndarray, ctx: ReqContext) -> tuple[bool, float]:
+        """(success, transfer time) of loading the blocks of keys into gpu."""
         pool_spec = self.manager.prepare_load(keys, ctx)
         try:
-            return self._run(pool_spec, GPULoadStoreSpec(gpu, [len(gpu)], [0]))
+            result = self._run(pool_spec, GPULoadStoreSpec(gpu, [len(gpu)], [0]))
         finally:
             self.manager.complete_load(keys, ctx)
+        return (result.success, result.transfer_time) if result is not None else (False, 0.0)
 
     def _store(self, keys: list[OffloadKey], hits: int, gpu: np.ndarray, ctx: ReqContext) -> int:
         out = self.manager.prepare_store(keys[hits:], ctx)
@@ -166,16 +196,18 @@ class Replica:
         index = {key: i for i, key in enumerate(keys)}
         f = self.factor
         ids = np.concatenate([gpu[index[k] * f : (index[k] + 1) * f] for k in out.keys_to_store])
-        ok = self._run(GPULoadStoreSpec(ids, [len(ids)], [0]), out.store_spec)
+        result = self._run(GPULoadStoreSpec(ids, [len(ids)], [0]), out.store_spec)
+        ok = result is not None and result.success
         self.manager.complete_store(out.keys_to_store, ctx, success=ok)
         return len(out.keys_to_store) if ok else 0
 
     # ---- synthetic KV ----------------------------------------------------------------
 
-    def _synthetic_compute(self, keys: Sequence[OffloadKey], gpu: np.ndarray, kv: Sequence[torch.Tensor]) -> None:
-        for i, key in enumerate(keys):
+    def _synthetic_compute(self, prefill: Prefill, kv: Sequence[torch.Tensor]) -> None:
+        first = prefill.hit_blocks
+        for i, key in enumerate(prefill.keys[first:], start=first):
             for sub in range(self.factor):
-                block = int(gpu[i * self.factor + sub])
+                block = int(prefill.gpu_blocks[i * self.factor + sub])
                 for t, tensor in enumerate(kv):
                     tensor[block].copy_(torch.from_numpy(synthetic_page(key, sub, t, self.page_bytes)))
 

@@ -81,19 +81,24 @@ class Promoter:
         self._replica_info = replica_info
         self._fetch_remote = fetch_remote
         self._submitted: queue.SimpleQueue[Promotion | None] = queue.SimpleQueue()
-        self._finished: deque[tuple[OffloadKey, bool]] = deque()
-        # (future of the rows read, holder, promotions still waiting on it, row index of each key)
-        self._in_flight: list[tuple[Future, ReplicaInfo, list[Promotion], dict[OffloadKey, int]]] = []
+        self._finished: deque[tuple[OffloadKey, bool, bool]] = deque()
+        # (future of the rows read, holder, promotions still waiting on it, row index of each
+        # key, when it was asked for)
+        self._in_flight: list[tuple[Future, ReplicaInfo, list[Promotion], dict[OffloadKey, int], float]] = []
         self.bytes_same_node = 0
         self.bytes_cross_node = 0
+        # time spent promoting, summed over batches (concurrent fetches each count)
+        self.seconds_same_node = 0.0
+        self.seconds_cross_node = 0.0
         self._thread = threading.Thread(target=self._run, name="distkv-promoter", daemon=True)
         self._thread.start()
 
     def submit(self, promotion: Promotion) -> None:
         self._submitted.put(promotion)
 
-    def finished(self) -> list[tuple[OffloadKey, bool]]:
-        """(key, success) of the promotions that ended since the last call."""
+    def finished(self) -> list[tuple[OffloadKey, bool, bool]]:
+        """(key, success, whether it came from this node) of the promotions that ended
+        since the last call."""
         done = []
         while self._finished:
             done.append(self._finished.popleft())
@@ -112,7 +117,7 @@ class Promoter:
         while True:
             batch = self._take_batch()
             if batch is None:
-                for _, _, promotions, _ in self._in_flight:
+                for _, _, promotions, _, _ in self._in_flight:
                     self._finish(promotions, False)
                 return
             if batch:
@@ -145,6 +150,7 @@ class Promoter:
                 self._copy_same_node(info, promotions)
             else:
                 held = [self._held_row(p, info) for p in promotions]
+                asked = time.perf_counter()
                 try:
                     future = self._fetch_remote(
                         info, [h.row for h in held], [p.key for p in promotions], [h.generation for h in held]
@@ -154,7 +160,7 @@ class Promoter:
                     self._finish(promotions, False)
                     continue
                 index = {p.key: i for i, p in enumerate(promotions)}
-                self._in_flight.append((future, info, promotions, index))
+                self._in_flight.append((future, info, promotions, index, asked))
 
     def _choose(self, p: Promotion) -> ReplicaInfo | None:
         """A holder whose pool we can read, on this node if possible."""
@@ -172,6 +178,7 @@ class Promoter:
         return next(h for h in p.holders if h.replica_id == info.replica_id)
 
     def _copy_same_node(self, info: ReplicaInfo, promotions: list[Promotion]) -> None:
+        started = time.perf_counter()
         try:
             holder_pool = HostPool(info.pool_name, layout_of(info), create=False)
         except (FileNotFoundError, ValueError):
@@ -181,23 +188,24 @@ class Promoter:
             for p in promotions:
                 held = self._held_row(p, info)
                 ok = self._write_local(p, lambda rank, out: holder_pool.read(rank, held.row, p.key, held.generation, out))
-                self._finish([p], ok)
+                self._finish([p], ok, same_node=True)
                 if ok:
                     self.bytes_same_node += self._pool.layout.num_ranks * self._pool.layout.slot_bytes
         finally:
             holder_pool.close()
+            self.seconds_same_node += time.perf_counter() - started
 
     def _collect(self) -> None:
         now = time.monotonic()
         still = []
-        for future, info, promotions, index in self._in_flight:
+        for future, info, promotions, index, asked in self._in_flight:
             if not future.done():
                 expired = [p for p in promotions if p.deadline <= now]
                 if expired:
                     self._finish(expired, False)
                     promotions = [p for p in promotions if p.deadline > now]
                 if promotions:
-                    still.append((future, info, promotions, index))
+                    still.append((future, info, promotions, index, asked))
                 continue
             try:
                 data, metas = future.result()
@@ -213,6 +221,7 @@ class Promoter:
                 if ok:
                     self.bytes_cross_node += sum(n for n, _ in metas[i])
                 self._finish([p], ok)
+            self.seconds_cross_node += time.perf_counter() - asked
         self._in_flight = still
 
     def _write_local(self, p: Promotion, read_slot: Callable[[int, np.ndarray], tuple[int, int] | None]) -> bool:
@@ -228,9 +237,9 @@ class Promoter:
             self._pool.seal(rank, rows, [p.key], gens, nbytes, [checksum])
         return True
 
-    def _finish(self, promotions: list[Promotion], ok: bool) -> None:
+    def _finish(self, promotions: list[Promotion], ok: bool, same_node: bool = False) -> None:
         for p in promotions:
-            self._finished.append((p.key, ok))
+            self._finished.append((p.key, ok, same_node))
 
 
 def _copy_checked(src: np.ndarray, meta: tuple[int, int], out: np.ndarray) -> tuple[int, int] | None:

@@ -57,5 +57,15 @@ class ReplicaActor:
         ctx = ReqContext(req_id="probe")
         return [self.replica.manager.lookup(key, ctx) for key in keys]
 
+    def holders(self, keys: Sequence[bytes]) -> list[list[str]]:
+        """The other replicas that this replica's view of the Directory says hold each key."""
+        link = self.replica.manager.link
+        return [[h.replica_id for h in link.holders(key)] for key in keys]
+
+    def promoted_bytes(self) -> dict[str, int]:
+        """Bytes promoted so far from replicas on this node and from other nodes."""
+        promoter = self.replica.manager.promoter
+        return {"same_node": promoter.bytes_same_node, "cross_node": promoter.bytes_cross_node}
+
     def shutdown(self) -> None:
         self.replica.shutdown()

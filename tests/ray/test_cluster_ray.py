@@ -70,7 +70,8 @@ def test_two_replicas_share_a_prefix(replicas):
 
 
 def test_namespaces_never_share(replicas):
-    a, b = replicas("tenant-a"), replicas("tenant-b")
+    tenant = uuid.uuid4().hex  # unique per run: blocks of other runs can never count
+    a, b = replicas(f"{tenant}-a"), replicas(f"{tenant}-b")
     assert a.spec.namespace != b.spec.namespace
     tokens = prompt(2)
     a.serve(tokens)

@@ -158,6 +158,23 @@ def test_prefix_stored_on_a_is_loaded_bit_exact_by_b(replicas, node_b):
     assert b.manager.link.mine() == set(keys)
 
 
+def test_loaded_blocks_are_counted_by_where_they_came_from(replicas):
+    directory = FakeDirectory()
+    a = replicas(directory, "node-1")
+    near = replicas(directory, "node-1")
+    far = replicas(directory, "node-2")
+    tokens = prompt(8, blocks=8)
+    a.serve(tokens)
+    assert near.serve(tokens).hit_blocks == far.serve(tokens).hit_blocks == 8
+    assert near.serve(tokens).hit_blocks == 8  # promoted once, then its own
+    assert a.manager.blocks_loaded == {"local": 0, "same_node": 0, "cross_node": 0}
+    assert near.manager.blocks_loaded == {"local": 8, "same_node": 8, "cross_node": 0}
+    assert far.manager.blocks_loaded == {"local": 0, "same_node": 0, "cross_node": 8}
+    assert (near.manager.promoter.bytes_same_node, near.manager.promoter.bytes_cross_node) == (8 * BLOCK_BYTES, 0)
+    assert (far.manager.promoter.bytes_same_node, far.manager.promoter.bytes_cross_node) == (0, 8 * BLOCK_BYTES)
+    assert near.manager.promoter.seconds_same_node > 0 and far.manager.promoter.seconds_cross_node > 0
+
+
 def test_block_evicted_during_promotion_is_a_miss_never_wrong_bytes(replicas):
     directory = FakeDirectory()
     fetch = PoolFetch(hold=True)
