@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from distkv.abstract import CanonicalKVCaches, LoadStoreSpec, OffloadingHandler, OffloadingSpec
 from distkv.config import DistkvConfig, cache_namespace
 from distkv.handlers import make_handlers
 from distkv.manager import LocalOffloadingManager
 from distkv.pool import HostPool, PoolLayout, segment_name
+
+if TYPE_CHECKING:
+    from distkv.cluster import ClusterOffloadingManager
 
 
 def _attr(obj: Any, path: str, default: Any = None) -> Any:
@@ -19,6 +23,70 @@ def _attr(obj: Any, path: str, default: Any = None) -> Any:
         if obj is None:
             return default
     return obj
+
+
+@dataclass(frozen=True)
+class ReplicaPlan:
+    """What every process of one replica derives alike from its configuration.
+
+    The scheduler and each worker compute it on their own; equal inputs give the same
+    pool name and layout, so they meet in the same shared memory.
+    """
+
+    config: DistkvConfig
+    layout: PoolLayout
+    namespace: str
+    replica_id: str
+    pool_name: str
+
+    @classmethod
+    def derive(
+        cls,
+        extra_config: Mapping[str, Any],
+        kv_identity: Mapping[str, Any],
+        block_bytes_per_rank: int,
+        num_ranks: int,
+        engine_id: str,
+    ) -> "ReplicaPlan":
+        """kv_identity: what makes KV bytes interchangeable (see `cache_namespace`);
+        block_bytes_per_rank: bytes one worker stores per offloaded block."""
+        config = DistkvConfig.from_extra_config(extra_config)
+        layout = PoolLayout.for_capacity(config.cpu_bytes_to_use, num_ranks, block_bytes_per_rank)
+        namespace = cache_namespace(kv_identity, config.tenant_salt)
+        replica_id = re.sub(r"[^A-Za-z0-9_.]", "_", engine_id)
+        return cls(config, layout, namespace, replica_id, segment_name(namespace, replica_id))
+
+
+def join_cluster(plan: ReplicaPlan, pool: HostPool, local: LocalOffloadingManager) -> "ClusterOffloadingManager":
+    """The replica's manager in its Ray cluster.
+
+    Joins the cluster (`ray_address`; none starts an embedded local Ray), makes sure this
+    node's NodeAgent runs, registers the replica with the Directory and wraps `local`.
+    """
+    import ray
+
+    from distkv.cluster import ClusterOffloadingManager
+    from distkv.directory import DirectoryLink, ReplicaInfo
+    from distkv.promotion import Promoter
+    from ray_actors.node_agent import RAY_NAMESPACE, AgentFetch, start_node_agent
+
+    config = plan.config
+    if not ray.is_initialized():
+        ray.init(address=config.ray_address, namespace=RAY_NAMESPACE)
+    node_id = ray.get_runtime_context().get_node_id()
+    ray.get(start_node_agent(node_id).node_id.remote())
+    layout = plan.layout
+    info = ReplicaInfo(plan.replica_id, node_id, plan.pool_name, layout.num_rows, layout.num_ranks, layout.slot_bytes)
+    link = DirectoryLink(plan.namespace, info, config.directory_shards)
+    link.start()
+    promoter = Promoter(pool, node_id, link.replica, AgentFetch())
+    return ClusterOffloadingManager(
+        local,
+        link,
+        promoter,
+        store_policy=config.store_policy,
+        promotion_timeout_s=config.promotion_timeout_s,
+    )
 
 
 class LocalOffloadingSpec(OffloadingSpec):
@@ -30,7 +98,6 @@ class LocalOffloadingSpec(OffloadingSpec):
 
     def __init__(self, vllm_config: Any, kv_cache_config: Any):
         super().__init__(vllm_config, kv_cache_config)
-        self.config = DistkvConfig.from_extra_config(self.extra_config)
         parallel = vllm_config.parallel_config
         self.num_ranks = _attr(parallel, "tensor_parallel_size", 1) * _attr(parallel, "pipeline_parallel_size", 1)
         self.rank = _attr(parallel, "rank", 0)
@@ -39,10 +106,8 @@ class LocalOffloadingSpec(OffloadingSpec):
             for group in kv_cache_config.kv_cache_groups
         ]
         self.block_bytes_per_rank = self.block_size_factor * max(group_bytes)
-        self.layout = PoolLayout.for_capacity(
-            self.config.cpu_bytes_to_use, self.num_ranks, self.block_bytes_per_rank
-        )
-        self.namespace = cache_namespace(
+        self.plan = ReplicaPlan.derive(
+            self.extra_config,
             {
                 "model": _attr(vllm_config, "model_config.model"),
                 "dtype": str(_attr(vllm_config, "cache_config.cache_dtype") or _attr(vllm_config, "model_config.dtype")),
@@ -52,11 +117,15 @@ class LocalOffloadingSpec(OffloadingSpec):
                 "parallel": [self.num_ranks, _attr(parallel, "decode_context_parallel_size", 1),
                              _attr(parallel, "prefill_context_parallel_size", 1)],
             },
-            self.config.tenant_salt,
+            self.block_bytes_per_rank,
+            self.num_ranks,
+            str(_attr(vllm_config, "kv_transfer_config.engine_id", "engine")),
         )
-        engine_id = str(_attr(vllm_config, "kv_transfer_config.engine_id", "engine"))
-        self.replica_id = re.sub(r"[^A-Za-z0-9_.]", "_", engine_id)
-        self.pool_name = segment_name(self.namespace, self.replica_id)
+        self.config = self.plan.config
+        self.layout = self.plan.layout
+        self.namespace = self.plan.namespace
+        self.replica_id = self.plan.replica_id
+        self.pool_name = self.plan.pool_name
         self._pool: HostPool | None = None
 
     @property
@@ -91,27 +160,4 @@ class RayOffloadingSpec(LocalOffloadingSpec):
     """
 
     def get_manager(self) -> "ClusterOffloadingManager":
-        import ray
-
-        from distkv.cluster import ClusterOffloadingManager
-        from distkv.directory import DirectoryLink, ReplicaInfo
-        from distkv.promotion import Promoter
-        from ray_actors.node_agent import RAY_NAMESPACE, AgentFetch, start_node_agent
-
-        if not ray.is_initialized():
-            ray.init(address=self.config.ray_address, namespace=RAY_NAMESPACE)
-        node_id = ray.get_runtime_context().get_node_id()
-        ray.get(start_node_agent(node_id).node_id.remote())
-        info = ReplicaInfo(
-            self.replica_id, node_id, self.pool_name, self.layout.num_rows, self.layout.num_ranks, self.layout.slot_bytes
-        )
-        link = DirectoryLink(self.namespace, info, self.config.directory_shards)
-        link.start()
-        promoter = Promoter(self.pool, node_id, link.replica, AgentFetch())
-        return ClusterOffloadingManager(
-            super().get_manager(),
-            link,
-            promoter,
-            store_policy=self.config.store_policy,
-            promotion_timeout_s=self.config.promotion_timeout_s,
-        )
+        return join_cluster(self.plan, self.pool, super().get_manager())

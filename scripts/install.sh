@@ -11,3 +11,5 @@ if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
 else
   python3 -m pip install -q "torch==2.13.0" -e ".${extras:+[$extras]}"
 fi
+# tests/vllm run against vLLM 0.33 installed without its CUDA stack.
+case ",$extras," in *,test,*) bash scripts/install_vllm_cpu.sh ;; esac

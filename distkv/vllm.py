@@ -1,0 +1,377 @@
+"""distkv as a vLLM (0.33) offloading spec, loaded by vLLM's OffloadingConnector.
+
+    vllm serve MODEL --kv-transfer-config '{"kv_connector": "OffloadingConnector",
+        "kv_role": "kv_both", "kv_connector_extra_config": {"spec_name": "RayOffloadingSpec",
+        "spec_module_path": "distkv.vllm", "cpu_bytes_to_use": 8000000000, ...}}'
+
+vLLM builds the spec once in the scheduler process, which asks for the manager, and once
+in every worker process, which asks for the worker. Both derive the replica's pool name
+and layout from the same OffloadingConfig (distkv.spec.ReplicaPlan), so they meet in the
+same shared memory. Every key of ``kv_connector_extra_config`` is listed in
+docs/configuration.md.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Collection, Iterable
+from typing import Any
+
+try:
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import OffloadingConnectorStats
+    from vllm.v1.kv_offload.base import (
+        CanonicalKVCaches,
+        GPULoadStoreSpec,
+        LoadStoreSpec,
+        Locality,
+        LookupResult,
+        Medium,
+        OffloadingCounterMetadata,
+        OffloadingEvent,
+        OffloadingGaugeMetadata,
+        OffloadingManager,
+        OffloadingMetricMetadata,
+        OffloadingSpec,
+        OffloadingWorker,
+        OffloadKey,
+        PrepareStoreOutput,
+        ReqContext,
+        RequestOffloadingContext,
+        ScheduleEndContext,
+        TransferResult,
+    )
+    from vllm.v1.kv_offload.config import OffloadingConfig
+except ImportError as e:
+    raise ImportError(
+        "distkv.vllm needs vLLM 0.33 (vllm.v1.kv_offload.base); install it with "
+        "pip install 'ray-distkv[vllm]'"
+    ) from e
+
+from distkv import abstract
+from distkv.cluster import ClusterOffloadingManager
+from distkv.handlers import make_handlers
+from distkv.manager import LocalOffloadingManager
+from distkv.pool import HostPool
+from distkv.spec import ReplicaPlan, join_cluster
+
+logger = logging.getLogger(__name__)
+
+# kv_connector_extra_config keys that vLLM 0.33's OffloadingConnector reads itself, beyond
+# those DistkvConfig already lets through (spec_name, spec_module_path, block_size).
+VLLM_CONNECTOR_KEYS = frozenset(
+    {
+        "blocks_per_chunk",
+        "canonical_layout",
+        "offload_prompt_only",
+        "self_describing_kv_events",
+        "sync_load_budget_bytes",
+    }
+)
+
+POOL_USAGE = "distkv:pool_usage_perc"
+PROMOTIONS_IN_FLIGHT = "distkv:promotions_in_flight"
+PROMOTED_BYTES = "distkv:promoted_bytes"
+
+
+def replica_plan(config: OffloadingConfig) -> ReplicaPlan:
+    """The replica's plan from vLLM's OffloadingConfig, equal in the scheduler and workers.
+
+    The extra config is checked by DistkvConfig once vLLM's own keys are set aside.
+    """
+    extra = dict(config.extra_config)
+    if extra.get("canonical_layout"):
+        raise ValueError(
+            "kv_connector_extra_config 'canonical_layout'=true is not supported by distkv: "
+            "each worker offloads its own pages; leave it unset"
+        )
+    if config.worker_kv_bytes_per_block <= 0:
+        raise ValueError(
+            f"vLLM reports {config.worker_kv_bytes_per_block} KV bytes per block: distkv needs "
+            "the KV cache to be allocated before the connector is built"
+        )
+    blocks_per_chunk = config.cache.blocks_per_chunk
+    parallel = config.parallel
+    return ReplicaPlan.derive(
+        {k: v for k, v in extra.items() if k not in VLLM_CONNECTOR_KEYS},
+        {
+            "model": config.model.name,
+            "dtype": config.model.dtype,
+            "kv_cache_layout": config.kv_cache_layout,
+            "group_block_tokens": [group.tokens_per_block for group in config.groups],
+            "worker_kv_bytes_per_block": config.worker_kv_bytes_per_block,
+            "blocks_per_chunk": blocks_per_chunk,
+            "tokens_per_hash": config.cache.tokens_per_hash,
+            "parallel": [parallel.world_size, parallel.tp_size, parallel.pp_size, parallel.pcp_size, parallel.dcp_size],
+        },
+        config.worker_kv_bytes_per_block * blocks_per_chunk,
+        parallel.world_size,
+        config.engine_id,
+    )
+
+
+class _ReusedKeys:
+    """Per-request state: the stored blocks a request used, in order, for recency."""
+
+    __slots__ = ("keys",)
+
+    def __init__(self) -> None:
+        self.keys: dict[abstract.OffloadKey, None] = {}
+
+
+class DistkvOffloadingManager(OffloadingManager):
+    """vLLM 0.33's OffloadingManager over a replica's ClusterOffloadingManager.
+
+    lookup maps distkv's answers: ready -> HIT; absent -> MISS; in flight -> RETRY while
+    the block is being promoted from another replica (it may still fail into a miss),
+    HIT_PENDING while a store of this replica is (it only waits for the worker).
+    Recency is applied when a request finishes: the blocks it loaded, or offered for
+    storing and found stored, are touched in the order it used them.
+    """
+
+    def __init__(self, cluster: ClusterOffloadingManager, pool: HostPool, enable_events: bool):
+        self.cluster = cluster
+        self._pool = pool
+        self._enable_events = enable_events
+        self._events: list[OffloadingEvent] = []
+        # callbacks may come from other threads than the scheduler's
+        self._lock = threading.RLock()
+        self._reported_bytes = (0, 0)  # promoted bytes (same node, cross node) already reported
+
+    @property
+    def lock(self) -> threading.RLock:
+        return self._lock
+
+    # ---- hot path --------------------------------------------------------------------
+
+    def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
+        hit = self.cluster.lookup(key, req_context)
+        if hit:
+            return LookupResult.HIT
+        if hit is False:
+            return LookupResult.MISS
+        if self.cluster.is_promoting(key):
+            return LookupResult.RETRY
+        return LookupResult.HIT_PENDING
+
+    def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> LoadStoreSpec:
+        spec = self.cluster.prepare_load(keys, req_context)
+        self._reused(req_context).keys.update(dict.fromkeys(keys))
+        return spec
+
+    def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
+        self.cluster.complete_load(keys, req_context)
+
+    def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
+        self.cluster.touch(keys, req_context)
+
+    def prepare_store(self, keys: Collection[OffloadKey], req_context: ReqContext) -> PrepareStoreOutput | None:
+        keys = list(keys)
+        out = self.cluster.prepare_store(keys, req_context)
+        if out is None:
+            return None
+        if len(out.keys_to_store) < len(keys):
+            new = set(out.keys_to_store)
+            self._reused(req_context).keys.update(dict.fromkeys(k for k in keys if k not in new))
+        return PrepareStoreOutput(out.keys_to_store, out.store_spec, out.evicted_keys)
+
+    def complete_store(
+        self, keys: Collection[OffloadKey], req_context: ReqContext, success: bool = True
+    ) -> None:
+        self.cluster.complete_store(keys, req_context, success)
+
+    # ---- request and step hooks ----------------------------------------------------
+
+    def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
+        return RequestOffloadingContext()
+
+    def on_request_finished(self, req_context: ReqContext) -> None:
+        used = req_context.get_state(_ReusedKeys)
+        if used is not None and used.keys:
+            self.cluster.touch(list(used.keys), req_context)
+            used.keys.clear()
+
+    def on_schedule_end(self, context: ScheduleEndContext) -> None:
+        # Applies finished promotions and keeps the event backlog bounded even when
+        # vLLM never drains events (kv events off).
+        self._collect_events()
+
+    def has_pending_work(self) -> bool:
+        return self.cluster.promotions_in_flight > 0
+
+    def take_events(self) -> Iterable[OffloadingEvent]:
+        self._collect_events()
+        events, self._events = self._events, []
+        yield from events
+
+    def get_stats(self) -> OffloadingConnectorStats:
+        stats = OffloadingConnectorStats()
+        local = self.cluster.local
+        stats.set_gauge(POOL_USAGE, 1.0 - local.num_free_rows / local.num_rows)
+        stats.set_gauge(PROMOTIONS_IN_FLIGHT, self.cluster.promotions_in_flight)
+        promoter = self.cluster.promoter
+        now = (promoter.bytes_same_node, promoter.bytes_cross_node)
+        for path, total, reported in zip(("same_node", "cross_node"), now, self._reported_bytes):
+            if total > reported:
+                stats.increase_counter(PROMOTED_BYTES, total - reported, (path,))
+        self._reported_bytes = now
+        return stats
+
+    def reset_cache(self) -> None:
+        # A promotion fills its reserved row from the Promoter's thread: let the running
+        # ones end (each does within promotion_timeout_s) before the reset frees rows that
+        # new stores may then reuse.
+        deadline = time.monotonic() + self.cluster.promotion_timeout_s + 1.0
+        while self.cluster.promotions_in_flight and time.monotonic() < deadline:
+            time.sleep(0.001)
+            self._collect_events()
+        if self.cluster.promotions_in_flight:
+            logger.warning("distkv: resetting with %d promotions still running", self.cluster.promotions_in_flight)
+        self.cluster.reset_cache()
+
+    def shutdown(self) -> None:
+        self.cluster.shutdown()
+        self._pool.close()
+
+    # ---- helpers -------------------------------------------------------------------
+
+    @staticmethod
+    def _reused(req_context: ReqContext) -> _ReusedKeys:
+        state = req_context.get_state(_ReusedKeys)
+        if state is None:
+            state = _ReusedKeys()
+            req_context.set_state(state)
+        return state
+
+    def _collect_events(self) -> None:
+        events = self.cluster.take_events()
+        if not self._enable_events:
+            for _ in events:
+                pass
+            return
+        self._events.extend(
+            OffloadingEvent(keys=list(event.keys), medium=Medium.CPU, removed=event.removed, locality=Locality.LOCAL)
+            for event in events
+        )
+
+
+def _gpu_spec(spec: GPULoadStoreSpec) -> abstract.GPULoadStoreSpec:
+    return abstract.GPULoadStoreSpec(spec.block_ids, spec.group_sizes, spec.block_indices)
+
+
+def _kv_caches(kv_caches: CanonicalKVCaches) -> abstract.CanonicalKVCaches:
+    return abstract.CanonicalKVCaches(
+        [abstract.CanonicalKVCacheTensor(t.tensor, t.page_size_bytes) for t in kv_caches.tensors],
+        [
+            [abstract.CanonicalKVCacheRef(ref.tensor_idx, ref.page_size_bytes) for ref in refs]
+            for refs in kv_caches.group_data_refs
+        ],
+    )
+
+
+class DistkvOffloadingWorker(OffloadingWorker):
+    """vLLM 0.33's OffloadingWorker over distkv's handlers: GPU <-> this rank's pool slots.
+
+    Jobs finish in submission order per direction; an expedited load is not moved ahead
+    of earlier loads.
+    """
+
+    def __init__(self, kv_caches: CanonicalKVCaches, pool: HostPool, rank: int, blocks_per_chunk: int):
+        self._pool = pool
+        self._worker = abstract.OffloadingWorker()
+        for src, dst, handler in make_handlers(_kv_caches(kv_caches), pool, rank, blocks_per_chunk):
+            self._worker.register_handler(src, dst, handler)
+
+    def submit_store(self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: LoadStoreSpec) -> bool:
+        return self._worker.transfer_async(job_id, (_gpu_spec(src_spec), dst_spec))
+
+    def submit_load(
+        self,
+        job_id: int,
+        src_spec: LoadStoreSpec,
+        dst_spec: GPULoadStoreSpec,
+        expedited: bool = False,
+    ) -> bool:
+        return self._worker.transfer_async(job_id, (src_spec, _gpu_spec(dst_spec)))
+
+    def get_finished(self) -> list[TransferResult]:
+        return [
+            TransferResult(r.job_id, r.success, r.transfer_size, r.transfer_time)
+            for r in self._worker.get_finished()
+        ]
+
+    def wait(self, job_ids: set[int]) -> None:
+        self._worker.wait(set(job_ids))
+
+    def shutdown(self) -> None:
+        self._worker.shutdown()
+        self._pool.close()
+
+
+class RayOffloadingSpec(OffloadingSpec):
+    """A vLLM replica of a Ray cluster sharing one KV cache with every replica of its namespace.
+
+    The scheduler's manager joins the cluster (`ray_address`; none starts an embedded
+    local Ray) and serves blocks other replicas hold after promoting them into this
+    replica's pool. Workers copy between their KV caches and their slots of that pool.
+    """
+
+    @classmethod
+    def build_metric_definitions(cls, extra_config: dict[str, Any]) -> dict[str, OffloadingMetricMetadata]:
+        return {
+            POOL_USAGE: OffloadingGaugeMetadata(
+                documentation="Fraction of this replica's distkv pool rows holding or receiving a block."
+            ),
+            PROMOTIONS_IN_FLIGHT: OffloadingGaugeMetadata(
+                documentation="Blocks being copied into this replica's pool from other replicas."
+            ),
+            PROMOTED_BYTES: OffloadingCounterMetadata(
+                documentation="Bytes promoted into this replica's pool from other replicas, by path.",
+                labelnames=("path",),
+            ),
+        }
+
+    def __init__(self, config: OffloadingConfig):
+        super().__init__(config)
+        self.plan = replica_plan(config)
+        # vLLM's worker index in [0, world_size), the tensor-parallel rank without PP or PCP;
+        # vLLM's own CPU spec places a worker's slot of its shared region by it too.
+        self.rank = config.parallel.rank
+        self._manager: DistkvOffloadingManager | None = None
+        self._worker: DistkvOffloadingWorker | None = None
+
+    def get_manager(self) -> DistkvOffloadingManager:
+        if self._manager is None:
+            plan = self.plan
+            pool = HostPool(plan.pool_name, plan.layout)
+            try:
+                local = LocalOffloadingManager(plan.layout.num_rows, policy=plan.config.eviction_policy)
+                cluster = join_cluster(plan, pool, local)
+            except BaseException:
+                pool.close()
+                raise
+            logger.info(
+                "distkv: replica %s in namespace %s, %d pool rows of %d x %d bytes",
+                plan.replica_id, plan.namespace, plan.layout.num_rows, plan.layout.num_ranks, plan.layout.slot_bytes,
+            )
+            self._manager = DistkvOffloadingManager(cluster, pool, self.kv_events_config.enable_kv_cache_events)
+        return self._manager
+
+    def get_worker(self, kv_caches: CanonicalKVCaches) -> DistkvOffloadingWorker:
+        if self._worker is None:
+            pool = HostPool(self.plan.pool_name, self.plan.layout)
+            try:
+                self._worker = DistkvOffloadingWorker(kv_caches, pool, self.rank, self.blocks_per_chunk)
+            except BaseException:
+                pool.close()
+                raise
+        return self._worker
+
+
+__all__ = [
+    "DistkvOffloadingManager",
+    "DistkvOffloadingWorker",
+    "RayOffloadingSpec",
+    "replica_plan",
+]
