@@ -1,0 +1,127 @@
+"""The demo's engine replica: the model's prefill behind distkv's connector steps.
+
+The harness Replica drives the offloading manager and handlers in vLLM's order; its
+compute step is the model's prefill over the replica's paged KV cache. Every request
+reports what it needs to be checked and attributed: the digest of each block it loaded
+and of each block it computed, and where its loaded blocks came from.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import time
+from collections.abc import Mapping, Sequence
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+import torch
+
+from distkv.abstract import OffloadingSpec
+from distkv.demo.model import ModelConfig, PagedKV, TinyDecoder, prefill
+from distkv.harness import Prefill, Replica, block_keys
+from distkv.spec import RayOffloadingSpec
+
+SOURCES = ("local", "same_node", "cross_node")
+
+
+def pick_device() -> str:
+    """The GPU where there is one that distkv's CUDA handlers can drive (CuPy), else the CPU."""
+    if torch.cuda.is_available() and importlib.util.find_spec("cupy") is not None:
+        return "cuda"
+    return "cpu"
+
+
+def demo_spec(replica_id: str, extra_config: Mapping[str, Any], model: ModelConfig, block_tokens: int) -> RayOffloadingSpec:
+    """The offloading spec of a demo replica: its KV layout is the model's paged cache."""
+    return RayOffloadingSpec.from_layout(
+        extra_config,
+        gpu_block_sizes=[block_tokens],
+        group_page_bytes=[2 * model.page_bytes(block_tokens)],
+        engine_id=replica_id,
+        model_config=SimpleNamespace(model=f"distkv-demo:{model}", dtype="float32"),
+    )
+
+
+class ModelReplica:
+    """One engine replica running the model, its KV cache offloaded through `spec`.
+
+    `spec` must give a ClusterOffloadingManager (it attributes loaded blocks to where
+    they came from) and have a block_size_factor of 1.
+    """
+
+    def __init__(
+        self,
+        spec: OffloadingSpec,
+        model: ModelConfig,
+        max_prompt_tokens: int,
+        device: str | torch.device = "cpu",
+        step_s: float = 0.002,
+    ):
+        if spec.block_size_factor != 1:
+            raise ValueError(f"the demo engine pages KV per offloaded block: block_size_factor={spec.block_size_factor}")
+        self.block_tokens = spec.gpu_block_size[0]
+        self.model = TinyDecoder(model, device)
+        num_blocks = max(max_prompt_tokens // self.block_tokens, 1)
+        self.replica = Replica(
+            spec, num_blocks, model.page_bytes(self.block_tokens), compute=self._compute, step_s=step_s, device=device
+        )
+        self.manager = self.replica.manager
+        self.cache = PagedKV(self.replica.kv[0], self.replica.kv[1], model, self.block_tokens)
+        self._prefill: Prefill | None = None
+
+    def serve(self, tokens: Sequence[int] | np.ndarray) -> dict[str, Any]:
+        """Serve one prompt through distkv: what came from where, its TTFT and block digests."""
+        loaded_before = dict(self.manager.blocks_loaded)
+        promoted_before = self._promoted_bytes()
+        result = self.replica.serve(tokens)
+        p = self._prefill
+        hits = result.hit_blocks
+        if result.load_failures:  # the manager counted a load whose blocks were then computed
+            by_source = dict.fromkeys(SOURCES, 0)
+        else:
+            by_source = {s: self.manager.blocks_loaded[s] - loaded_before[s] for s in SOURCES}
+        # The blocks are free again but untouched until the next request: digest them now,
+        # outside the request's time to first token.
+        digests = self.cache.digests(p.gpu_blocks) if len(p.keys) else []
+        return {
+            "replica": self.replica.spec.replica_id,
+            "tokens": len(p.tokens),
+            "blocks_by_source": by_source,
+            "retries": result.retries,
+            "load_failures": result.load_failures,
+            "ttft_s": result.first_token_s,
+            "load_s": result.load_s,
+            "promoted_bytes": self._promoted_bytes() - promoted_before,
+            "first_token": result.output,
+            "loaded": list(zip(p.keys[:hits], digests[:hits])),
+            "computed": list(zip(p.keys[hits:], digests[hits:])),
+        }
+
+    def serve_without_offloading(self, tokens: Sequence[int] | np.ndarray) -> dict[str, Any]:
+        """Serve one prompt with offloading off: every token prefilled, nothing loaded or stored."""
+        arrived = time.perf_counter()
+        tokens = np.asarray(tokens)
+        keys = block_keys(tokens, self.block_tokens)  # an engine hashes its prompts either way
+        token = prefill(self.model, self.cache, tokens, np.arange(len(keys)), 0)
+        return {"ttft_s": time.perf_counter() - arrived, "first_token": token}
+
+    def stats(self) -> dict[str, float]:
+        """Bytes and seconds of this replica's promotions so far, per path."""
+        promoter = self.manager.promoter
+        return {
+            "same_node_bytes": promoter.bytes_same_node,
+            "same_node_s": promoter.seconds_same_node,
+            "cross_node_bytes": promoter.bytes_cross_node,
+            "cross_node_s": promoter.seconds_cross_node,
+        }
+
+    def _promoted_bytes(self) -> int:
+        return self.manager.promoter.bytes_same_node + self.manager.promoter.bytes_cross_node
+
+    def shutdown(self) -> None:
+        self.replica.shutdown()
+
+    def _compute(self, p: Prefill, kv: Sequence[torch.Tensor]) -> int:
+        self._prefill = p
+        return prefill(self.model, self.cache, p.tokens, p.gpu_blocks, p.hit_blocks)

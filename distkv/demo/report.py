@@ -1,0 +1,188 @@
+"""The demo's results: per-request outcomes folded into totals, the check of every loaded
+block against the digests its computing replicas recorded, the table and the JSON document.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from distkv.demo.engine import SOURCES
+
+PATH_ROWS = (
+    ("local_load", "local load"),
+    ("same_node_promotion", "same-node promotion"),
+    ("cross_node_promotion", "cross-node promotion"),
+)
+TOKEN_ROWS = (
+    ("local", "served from the replica's own pool"),
+    ("same_node", "from another replica on the same node"),
+    ("cross_node", "from another node"),
+    ("recomputed", "recomputed"),
+)
+
+
+class Tally:
+    """Totals of one demo run, from each request's result as it arrives."""
+
+    def __init__(self, block_tokens: int, block_bytes: int):
+        self.block_tokens = block_tokens
+        self.block_bytes = block_bytes
+        self.requests = 0
+        self.prompt_tokens = 0
+        self.hit_blocks = dict.fromkeys(SOURCES, 0)
+        self.load_failures = 0
+        self.retries = 0
+        self.load_s = 0.0
+        self.promoted_bytes = 0
+        self.ttft_s: list[float] = []
+        self.ttft_off_s: list[float] = []
+        self.first_tokens: dict[int, int] = {}
+        self.first_tokens_off: dict[int, int] = {}
+        # per key: the digests of its bytes as computed, and the replicas that computed it
+        self._digests: dict[bytes, set[int]] = defaultdict(set)
+        self._computed_by: dict[bytes, set[str]] = defaultdict(set)
+        self._loaded: list[tuple[bytes, int, str]] = []  # (key, digest, loading replica)
+
+    # ---- folding results in ----------------------------------------------------------
+
+    def add(self, index: int, result: Mapping[str, Any]) -> None:
+        """One request served through distkv (ModelReplica.serve's result)."""
+        self.requests += 1
+        self.prompt_tokens += result["tokens"]
+        for source, blocks in result["blocks_by_source"].items():
+            self.hit_blocks[source] += blocks
+        self.load_failures += result["load_failures"]
+        self.retries += result["retries"]
+        self.load_s += result["load_s"]
+        self.promoted_bytes += result["promoted_bytes"]
+        self.ttft_s.append(result["ttft_s"])
+        self.first_tokens[index] = result["first_token"]
+        replica = result["replica"]
+        for key, digest in result["computed"]:
+            self._digests[key].add(digest)
+            self._computed_by[key].add(replica)
+        self._loaded.extend((key, digest, replica) for key, digest in result["loaded"])
+
+    def add_without_offloading(self, index: int, result: Mapping[str, Any]) -> None:
+        """The same request served with offloading off."""
+        self.ttft_off_s.append(result["ttft_s"])
+        self.first_tokens_off[index] = result["first_token"]
+
+    # ---- what the progress bar shows ---------------------------------------------------
+
+    @property
+    def hit_tokens(self) -> int:
+        return sum(self.hit_blocks.values()) * self.block_tokens
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    @property
+    def bytes_moved(self) -> int:
+        """Bytes loaded into KV caches and promoted between replicas so far."""
+        return sum(self.hit_blocks.values()) * self.block_bytes + self.promoted_bytes
+
+    # ---- the end -----------------------------------------------------------------------
+
+    def verify(self) -> tuple[int, int]:
+        """(blocks verified, mismatches): each loaded block against the digests that the
+        replicas which computed its key recorded. Call once every request is in."""
+        mismatches = sum(1 for key, digest, _ in self._loaded if digest not in self._digests.get(key, ()))
+        return len(self._loaded), mismatches
+
+    def hit_tokens_computed_elsewhere(self) -> int:
+        """Hit tokens of blocks that the loading replica never computed itself."""
+        blocks = sum(1 for key, _, replica in self._loaded if replica not in self._computed_by.get(key, ()))
+        return blocks * self.block_tokens
+
+    def summary(self, oracle_hit_tokens: int, promotions: Mapping[str, float], setup: Mapping[str, Any]) -> dict[str, Any]:
+        """The JSON document. promotions: the replicas' summed promotion bytes and seconds
+        per path (ModelReplica.stats); setup: what was run, and how long each part took."""
+        verified, mismatches = self.verify()
+        loaded_bytes = sum(self.hit_blocks.values()) * self.block_bytes
+        transfers = {
+            "local_load": _transfer(sum(self.hit_blocks.values()), loaded_bytes, self.load_s),
+            "same_node_promotion": _transfer(
+                promotions["same_node_bytes"] // self.block_bytes, promotions["same_node_bytes"], promotions["same_node_s"]
+            ),
+            "cross_node_promotion": _transfer(
+                promotions["cross_node_bytes"] // self.block_bytes, promotions["cross_node_bytes"], promotions["cross_node_s"]
+            ),
+        }
+        tokens = {source: blocks * self.block_tokens for source, blocks in self.hit_blocks.items()}
+        tokens["recomputed"] = self.prompt_tokens - self.hit_tokens
+        return {
+            **setup,
+            "requests": self.requests,
+            "prompt_tokens": self.prompt_tokens,
+            "tokens": tokens,
+            "hit_rate": self.hit_rate,
+            "hit_tokens_computed_by_another_replica": self.hit_tokens_computed_elsewhere(),
+            "oracle_hit_rate": oracle_hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0,
+            "ttft_s": {"distkv": _percentiles(self.ttft_s), "offloading_off": _percentiles(self.ttft_off_s)},
+            "transfers": transfers,
+            "block_bytes": self.block_bytes,
+            "blocks_verified": verified,
+            "mismatches": mismatches,
+            "load_failures": self.load_failures,
+            "lookup_retries": self.retries,
+            "first_tokens_as_offloading_off": sum(
+                1 for i, t in self.first_tokens.items() if self.first_tokens_off.get(i) == t
+            ),
+        }
+
+
+def _transfer(blocks: int, nbytes: float, seconds: float) -> dict[str, float]:
+    return {
+        "blocks": int(blocks),
+        "bytes": int(nbytes),
+        "seconds": seconds,
+        "gb_per_s": nbytes / seconds / 1e9 if seconds > 0 else 0.0,
+    }
+
+
+def _percentiles(samples: list[float]) -> dict[str, float]:
+    if not samples:
+        return {"p50": 0.0, "p99": 0.0}
+    p50, p99 = np.percentile(samples, [50, 99])
+    return {"p50": float(p50), "p99": float(p99)}
+
+
+def format_table(s: Mapping[str, Any]) -> str:
+    """The summary as the table `distkv demo` prints."""
+    total = s["prompt_tokens"] or 1
+    t = s["tokens"]
+    sec = s["seconds"]
+    lines = [
+        "",
+        f"  requests {s['requests']:,}, prompt tokens {s['prompt_tokens']:,}",
+        *(f"    {label:<40}{t[name]:>10,}  {t[name] / total:6.1%}" for name, label in TOKEN_ROWS),
+        f"  hit rate {s['hit_rate']:.1%}   (oracle, one infinite cache shared by all: {s['oracle_hit_rate']:.1%})",
+        f"  hit tokens computed by another replica: {s['hit_tokens_computed_by_another_replica']:,}"
+        f" ({s['hit_tokens_computed_by_another_replica'] / max(t['local'] + t['same_node'] + t['cross_node'], 1):.1%})",
+        "",
+        "  time to first token (from a request's arrival at its replica to its first token)",
+        f"  {'':<22}{'distkv':>12}{'offloading off':>18}{'speed-up':>11}",
+    ]
+    on, off = s["ttft_s"]["distkv"], s["ttft_s"]["offloading_off"]
+    for p in ("p50", "p99"):
+        ratio = off[p] / on[p] if on[p] > 0 else 0.0
+        lines.append(f"    {p:<20}{on[p] * 1e3:>9.1f} ms{off[p] * 1e3:>15.1f} ms{ratio:>10.2f}x")
+    lines += ["", f"  {'bytes moved':<22}{'blocks':>12}{'MiB':>12}{'GB/s':>10}"]
+    for path, label in PATH_ROWS:
+        x = s["transfers"][path]
+        lines.append(f"    {label:<20}{x['blocks']:>12,}{x['bytes'] / 2**20:>12.1f}{x['gb_per_s']:>10.2f}")
+    lines += [
+        "",
+        f"  blocks verified {s['blocks_verified']:,}, mismatches {s['mismatches']}"
+        f" (load failures {s['load_failures']}, lookup retries {s['lookup_retries']:,})",
+        f"  first tokens as with offloading off: {s['first_tokens_as_offloading_off']}/{s['requests']}",
+        f"  wall time {sec['total']:.1f} s: start {sec['start']:.1f} s, distkv {sec['distkv']:.1f} s, "
+        f"offloading off {sec['offloading_off']:.1f} s, shutdown {sec['shutdown']:.1f} s",
+    ]
+    return "\n".join(lines)

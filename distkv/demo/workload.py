@@ -1,0 +1,103 @@
+"""The demo's trace: multi-turn conversations and one-off requests behind shared system prompts.
+
+Every request starts with one of a few system prompts. A conversation's next turn is its
+previous prompt, the reply to it and new user text; a one-off request is a system prompt
+and user text. Conversations and one-off requests are interleaved at random (a
+conversation's turns in order), and a cache-unaware router spreads them over the
+replicas, so most prefixes a request could reuse were computed on another replica.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from distkv.harness import block_keys
+
+
+@dataclass(frozen=True)
+class WorkloadConfig:
+    requests: int = 200
+    system_prompts: int = 4
+    system_tokens: int = 512
+    user_tokens: int = 64  # new user text per request
+    reply_tokens: int = 32  # the reply a conversation's next turn carries
+    turns: int = 4  # per conversation
+    conversation_share: float = 0.6  # of the requests, those that are conversation turns
+    vocab_size: int = 4096
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("requests", "system_prompts", "system_tokens", "user_tokens", "turns", "vocab_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"workload {name}={getattr(self, name)} must be positive")
+        if self.reply_tokens < 0:
+            raise ValueError(f"workload reply_tokens={self.reply_tokens} must not be negative")
+        if not 0 <= self.conversation_share <= 1:
+            raise ValueError(f"workload conversation_share={self.conversation_share} must be in [0, 1]")
+
+    @property
+    def max_prompt_tokens(self) -> int:
+        """The longest prompt: a conversation's last turn."""
+        return self.system_tokens + self.turns * self.user_tokens + (self.turns - 1) * self.reply_tokens
+
+
+@dataclass(frozen=True)
+class Request:
+    tokens: np.ndarray
+    system_prompt: int
+    conversation: int | None  # None for a one-off request
+    turn: int
+    after: int | None  # index of the request (the previous turn) it must follow
+
+
+def generate(config: WorkloadConfig) -> list[Request]:
+    """The trace, in the order requests are sent; the same for the same config."""
+    rng = np.random.default_rng(config.seed)
+
+    def text(n: int) -> np.ndarray:
+        return rng.integers(0, config.vocab_size, n, dtype=np.int32)
+
+    systems = [text(config.system_tokens) for _ in range(config.system_prompts)]
+    turns_total = round(config.requests * config.conversation_share)
+    conversations = -(-turns_total // config.turns)
+    # A random interleaving: each conversation's slots are its turns, in order.
+    slots = np.array([c for c in range(conversations) for _ in range(config.turns)][:turns_total]
+                     + [-1] * (config.requests - turns_total))
+    rng.shuffle(slots)
+    conversation_system = rng.integers(0, config.system_prompts, conversations)
+    last: dict[int, tuple[int, np.ndarray, int]] = {}  # conversation -> (index, prompt, turn)
+    trace = []
+    for i, c in enumerate(slots.tolist()):
+        if c < 0:
+            s = int(rng.integers(config.system_prompts))
+            trace.append(Request(np.concatenate([systems[s], text(config.user_tokens)]), s, None, 0, None))
+            continue
+        s = int(conversation_system[c])
+        if c in last:
+            previous, prompt, turn = last[c]
+            tokens = np.concatenate([prompt, text(config.reply_tokens), text(config.user_tokens)])
+            request = Request(tokens, s, c, turn + 1, previous)
+        else:
+            request = Request(np.concatenate([systems[s], text(config.user_tokens)]), s, c, 0, None)
+        last[c] = (i, request.tokens, request.turn)
+        trace.append(request)
+    return trace
+
+
+def oracle_hit_tokens(trace: list[Request], block_tokens: int) -> int:
+    """Prompt tokens one infinite cache shared by every replica would serve on this trace.
+
+    Requests in trace order; each hits its longest prefix of full blocks seen before.
+    """
+    seen: set[bytes] = set()
+    hits = 0
+    for request in trace:
+        keys = block_keys(request.tokens, block_tokens)
+        hit = 0
+        while hit < len(keys) and keys[hit] in seen:
+            hit += 1
+        hits += hit * block_tokens
+        seen.update(keys)
+    return hits
