@@ -20,5 +20,6 @@ pip=(python3 -m pip install -q -c "$keep")
   "llguidance>=1.7.0,<1.8.0" \
   "openai>=2.25.0" \
   openai-harmony \
-  msgspec psutil pyzmq cbor2 pillow pybase64 cachetools uvloop partial-json-parser einops
+  msgspec psutil pyzmq cbor2 pillow pybase64 cachetools uvloop partial-json-parser einops \
+  cloudpickle py-cpuinfo
 python3 -c "import torch, vllm.v1.kv_offload.base; print('vLLM', vllm.__version__, 'over torch', torch.__version__)"
