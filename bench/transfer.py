@@ -130,6 +130,13 @@ def main() -> None:
             f"  {name:5} {direction:20} {gbps(name):7.2f} GB/s   {baseline} {base.upper()} "
             f"{gbps(base):7.2f} GB/s   ratio {gbps(name) / gbps(base):.2f}"
         )
+    # store then load, the round trip a block makes, against both contiguous copies
+    round_trip = 2 * total / (float(np.median(times["store"])) + float(np.median(times["load"]))) / 1e9
+    copies = 2 * total / (float(np.median(times["d2h"])) + float(np.median(times["h2d"]))) / 1e9
+    print(
+        f"  store+load{'':16} {round_trip:7.2f} GB/s   {baseline} both  {copies:7.2f} GB/s   "
+        f"ratio {round_trip / copies:.2f}  (target >= 0.8)"
+    )
 
 
 if __name__ == "__main__":

@@ -51,12 +51,17 @@ class _Copies:
 class CpuCopyBackend(CopyBackend):
     """Copies between CPU KV tensors and the pool region of `rank`."""
 
-    segment_bytes = 2 << 20  # about a core's L2: sealing re-reads what was just copied
+    # A store seals each segment right after copying it, so its segments stay about a
+    # core's L2 and the checksum re-reads cached bytes; a load only copies, so larger
+    # segments spend less per segment.
+    STORE_SEGMENT_BYTES = 2 << 20
+    LOAD_SEGMENT_BYTES = 32 << 20
     segment_threads = min(os.cpu_count() or 1, 4)  # memory bandwidth is spent by then
 
-    def __init__(self, kv_tensors: Sequence[torch.Tensor], pool: HostPool, rank: int):
+    def __init__(self, kv_tensors: Sequence[torch.Tensor], pool: HostPool, rank: int, segment_bytes: int):
         if any(t.device.type != "cpu" for t in kv_tensors):
             raise ValueError("CpuCopyBackend needs KV tensors on the CPU")
+        self.segment_bytes = segment_bytes
         self._kv = [flat_bytes(t).numpy() for t in kv_tensors]
         self._pool = pool.payload[rank].reshape(-1)
 

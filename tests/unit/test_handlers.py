@@ -268,7 +268,9 @@ def test_load_fails_when_a_row_changes_during_the_copy():
     assert run(store, 1, (gpu, pool_spec)).success
 
     layout = SlotLayout.from_kv_caches(kv_caches, 1)
-    backend = _ReplacingBackend(tensors, pool, 0, replace=lambda: pool.begin_write(0, np.array([2])))
+    backend = _ReplacingBackend(
+        tensors, pool, 0, CpuCopyBackend.LOAD_SEGMENT_BYTES, replace=lambda: pool.begin_write(0, np.array([2]))
+    )
     load = LoadHandler(layout, tensors, pool, 0, backend)
     try:
         assert not run(load, 2, (pool_spec, GPULoadStoreSpec([5], [1], [0]))).success
