@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from distkv import status
 from distkv.demo import runner
 
 
@@ -18,5 +19,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     runner.add_arguments(demo)
     demo.set_defaults(run=runner.run)
+    status_command = commands.add_parser(
+        "status",
+        help="nodes, replicas, Directory shards and recent errors of a running cluster",
+        description=status.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    status.add_arguments(status_command)
+    status_command.set_defaults(run=status.run)
     args = parser.parse_args(argv)
     return args.run(args)

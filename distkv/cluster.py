@@ -16,6 +16,7 @@ from distkv.abstract import (
 from distkv.config import STORE_POLICIES
 from distkv.directory import DirectoryLink
 from distkv.manager import LocalOffloadingManager, check_keys
+from distkv.metrics import ErrorLog, merge_errors
 from distkv.promotion import Promoter, Promotion
 
 # Failed promotions remembered (so that lookups answer a miss, not a new try) at most.
@@ -62,24 +63,42 @@ class ClusterOffloadingManager(OffloadingManager):
         # blocks handed to loads so far, by where they came from
         self.blocks_loaded = {"local": 0, "same_node": 0, "cross_node": 0}
         self._promotion_ctx = ReqContext(req_id="distkv-promotion")
+        # Counts for metrics and `distkv status` (see stats): plain ints, as the hot path
+        # may afford. A lookup that starts a promotion is counted when the promotion ends:
+        # a remote hit if it succeeded, else a miss.
+        self.lookups_local_hit = 0
+        self.lookups_remote_hit = 0
+        self.lookups_miss = 0
+        self.lookups_retry = 0
+        self.blocks_stored = 0  # by the engine; promoted blocks are counted by the promoter
+        self.stores_rejected = 0
+        self.errors = ErrorLog()
+        self.closed = False
 
     # ---- the hot path ----------------------------------------------------------------
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> bool | None:
         hit = self.local.lookup(key, req_context)
-        if hit:
-            return True  # the common case first: nothing else to look at
+        if hit:  # the common case first: nothing else to look at
+            self.lookups_local_hit += 1
+            return True
         if self.promoter.has_finished():
             self._apply_promotions()
             hit = self.local.lookup(key, req_context)
             if hit:
+                self.lookups_local_hit += 1
                 return True
         if hit is None:
+            self.lookups_retry += 1
             return None
         holders = self.link.holders(key)
         if not holders:
+            self.lookups_miss += 1
             return False
-        return self._promote(key, holders)
+        hit = self._promote(key, holders)
+        if hit is False:
+            self.lookups_miss += 1
+        return hit
 
     def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> LoadStoreSpec:
         spec = self.local.prepare_load(keys, req_context)
@@ -101,11 +120,15 @@ class ClusterOffloadingManager(OffloadingManager):
             check_keys(keys)
             keys = [k for k in keys if not self.link.holders(k)]
         out = self.local.prepare_store(keys, req_context)
+        if out is None:
+            self.stores_rejected += 1
         self._forward_events()
         return out
 
     def complete_store(self, keys: Collection[OffloadKey], req_context: ReqContext, success: bool = True) -> None:
+        stored = self.local.blocks_stored
         self.local.complete_store(keys, req_context, success)
+        self.blocks_stored += self.local.blocks_stored - stored
         self._forward_events()
 
     def take_events(self) -> Iterable[OffloadingEvent]:
@@ -125,6 +148,50 @@ class ClusterOffloadingManager(OffloadingManager):
         self._apply_promotions()
         self.link.close()
         self.local.shutdown()
+        self.closed = True
+
+    # ---- counts ----------------------------------------------------------------------
+
+    def stats(self) -> dict:
+        """This replica's counts since it started: what `distkv status` shows and the
+        metrics exporter exports. Safe to call from any thread: it only reads ints and
+        copies small dicts."""
+        local, promoter, info = self.local, self.promoter, self.link.info
+        self.errors.sync("store_rejected", self.stores_rejected, "prepare_store found no free or evictable row")
+        errors, recent = merge_errors((self.errors, promoter.errors, self.link.errors))
+        row_bytes = info.num_ranks * info.slot_bytes
+        return {
+            "namespace": self.link.namespace,
+            "replica": info.replica_id,
+            "node": info.node_id,
+            "time": time.time(),
+            "lookups": {
+                "local_hit": self.lookups_local_hit,
+                "remote_hit": self.lookups_remote_hit,
+                "miss": self.lookups_miss,
+                "retry": self.lookups_retry,
+            },
+            "promotions": {
+                "started": dict(promoter.started),
+                "succeeded": dict(promoter.succeeded),
+                "failed": dict(promoter.failed),
+                "bytes": {"same_node": promoter.bytes_same_node, "cross_node": promoter.bytes_cross_node},
+                "in_flight": len(self._promoting),
+            },
+            "blocks": {
+                "stored": self.blocks_stored,
+                "evicted": local.blocks_evicted,
+                "loaded": dict(self.blocks_loaded),
+            },
+            "pool": {
+                "rows": local.num_rows,
+                "free_rows": local.num_free_rows,
+                "used_bytes": (local.num_rows - local.num_free_rows) * row_bytes,
+                "capacity_bytes": local.num_rows * row_bytes,
+            },
+            "errors": errors,
+            "recent_errors": recent,
+        }
 
     # ---- promotion -------------------------------------------------------------------
 
@@ -162,6 +229,8 @@ class ClusterOffloadingManager(OffloadingManager):
             (succeeded if ok else failed).append(key)
             if ok:
                 self._promoted[key] = same_node
+        self.lookups_remote_hit += len(succeeded)
+        self.lookups_miss += len(failed)
         if succeeded:
             self.local.complete_store(succeeded, self._promotion_ctx, success=True)
         if failed:

@@ -19,11 +19,12 @@ import random
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any, NamedTuple
 
 from distkv.abstract import OffloadKey
 from distkv.manager import MIN_KEY_BYTES, check_keys, key_problem
+from distkv.metrics import MAX_OBSERVATIONS, ErrorLog
 from distkv.pool import MAX_KEY_BYTES
 
 logger = logging.getLogger(__name__)
@@ -145,13 +146,14 @@ def _drop_holder(holders: dict[OffloadKey, tuple[HolderFields, ...]], key: Offlo
 
 
 class _Replica:
-    __slots__ = ("info", "keys", "last_seq", "last_seen")
+    __slots__ = ("info", "keys", "last_seq", "last_seen", "report")
 
     def __init__(self, info: ReplicaInfo, now: float) -> None:
         self.info = info
         self.keys: set[OffloadKey] = set()
         self.last_seq = 0
         self.last_seen = now
+        self.report: dict | None = None  # its latest stats, as its link sent them
 
 
 class DirectoryState:
@@ -252,6 +254,25 @@ class DirectoryState:
         self._ops["removed"] += len(removed)
         self._append((replica_id, node_id, list(stored), list(removed)))
         return True
+
+    def set_report(self, replica_id: str, report: dict) -> bool:
+        """Keep a registered replica's latest stats (what `distkv status` shows); whether it is registered."""
+        if not isinstance(report, dict):
+            raise ValueError(f"set_report: report {report!r} is not a dict")
+        replica = self._replicas.get(replica_id)
+        if replica is None:
+            return False
+        replica.report = report
+        return True
+
+    def replicas(self) -> list[dict[str, Any]]:
+        """Every registered replica: its ReplicaInfo's fields, the keys it holds in this
+        shard, seconds since it was last heard from, and its latest report (None before one)."""
+        now = self._clock()
+        return [
+            {**asdict(r.info), "keys": len(r.keys), "seen_s_ago": now - r.last_seen, "report": r.report}
+            for r in self._replicas.values()
+        ]
 
     def query(self, keys: Sequence[OffloadKey]) -> list[tuple[HolderFields, ...]]:
         """The holders of each key, in order, as Holder fields; () for a key nobody holds."""
@@ -420,9 +441,15 @@ class _Call:
 class _Shard:
     """What the link's thread knows of one shard."""
 
-    def __init__(self, actor: Any, view: ShardView) -> None:
+    def __init__(self, index: int, actor: Any, view: ShardView) -> None:
+        self.index = index
         self.actor = actor
         self.view = view
+        # time.monotonic() when the oldest change not yet sent came in, and that of the
+        # batch being published (or to be sent again): for the event lag
+        self.pending_since: float | None = None
+        self.batch_since: float | None = None
+        self.reported_at = -float("inf")  # when the replica's stats last went with a publish
         self.held: dict[OffloadKey, tuple[int, int]] = {}  # this replica's blocks in the shard
         self.pending: dict[OffloadKey, tuple[int, int] | None] = {}  # not yet published; None: removed
         self.seq = 0
@@ -462,7 +489,7 @@ class DirectoryLink:
         # the view of every shard, merged: one dict lookup answers `holders`
         self._holders: dict[OffloadKey, tuple[Holder, ...]] = {}
         self._shards = [
-            _Shard(actor, ShardView(info.replica_id, self._holders, i, num_shards))
+            _Shard(i, actor, ShardView(info.replica_id, self._holders, i, num_shards))
             for i, actor in enumerate(get_or_create_shards(namespace, num_shards))
         ]
         self._views = [shard.view for shard in self._shards]
@@ -470,6 +497,12 @@ class DirectoryLink:
         self._wake = threading.Event()
         self._stopping = False
         self._thread: threading.Thread | None = None
+        # The replica's stats, sent along with a publish to every shard at most every
+        # HEARTBEAT_INTERVAL_S (for `distkv status`); set by whoever owns the link.
+        self.report: Callable[[], dict] | None = None
+        self.errors = ErrorLog()
+        # (shard, seconds) from a change coming in to the shard having applied it
+        self.event_lags: collections.deque[tuple[int, float]] = collections.deque(maxlen=MAX_OBSERVATIONS)
 
     def start(self) -> None:
         """Register with every shard and start publishing and following, in the background."""
@@ -565,6 +598,10 @@ class DirectoryLink:
                     shard = shards[int.from_bytes(key[:8], "big") % num_shards]
                     shard.held.pop(key, None)
                     shard.pending[key] = None
+        now = time.monotonic()
+        for shard in shards:
+            if shard.pending and shard.pending_since is None:
+                shard.pending_since = now
 
     def _service(self, shard: _Shard, now: float) -> float:
         """Collect the shard's finished calls and start the next ones; when it next needs attention."""
@@ -583,8 +620,8 @@ class DirectoryLink:
             if now >= shard.poll_at:
                 try:
                     shard.polling = _Call(shard.actor.changes.remote(shard.view.cursor, POLL_TIMEOUT_S), self._wake.set)
-                except Exception:
-                    self._poll_failed(shard, now)
+                except Exception as e:
+                    self._poll_failed(shard, now, e)
             if shard.polling is None:
                 due = min(due, shard.poll_at)
         return due
@@ -596,6 +633,7 @@ class DirectoryLink:
             shard.resync_at = None
             shard.failed_batch = None
             shard.pending.clear()
+            shard.pending_since = shard.batch_since = None
             shard.seq += 1
             stored = [(key, row, generation) for key, (row, generation) in shard.held.items()]
             self._send(shard, "register", (shard.seq, stored, None), now)
@@ -619,6 +657,7 @@ class DirectoryLink:
             else:
                 stored.append((key, *block))
         shard.pending.clear()
+        shard.batch_since, shard.pending_since = shard.pending_since, None
         shard.seq += 1
         self._send(shard, "publish", (shard.seq, stored, removed), now)
         return now + HEARTBEAT_INTERVAL_S
@@ -630,7 +669,7 @@ class DirectoryLink:
             if method == "register":
                 ref = shard.actor.register.remote(self.info, seq, pack(stored))
             else:
-                ref = shard.actor.publish.remote(self.info.replica_id, seq, pack((stored, removed)))
+                ref = shard.actor.publish.remote(self.info.replica_id, seq, pack((stored, removed)), self._report(shard, now))
             shard.publishing = _Call(ref, self._wake.set, (method, batch))
         except Exception as e:
             self._publish_failed(shard, method, batch, e, now)
@@ -638,6 +677,7 @@ class DirectoryLink:
     def _publish_failed(self, shard: _Shard, method: str, batch: tuple, error: Exception, now: float) -> None:
         """The shard is down, restarting or unreachable: send the same again later."""
         shard.failures += 1
+        self.errors.add("directory_publish", f"shard {shard.index}: {method} failed: {error}")
         if shard.failures == 1:
             logger.warning("directory shard %s: %s failed, retrying: %s", shard.actor, method, error)
         if method == "register":
@@ -661,19 +701,34 @@ class DirectoryLink:
             shard.registered_epoch = epoch
         elif not known:
             self._resync_later(shard, now)
+        elif shard.batch_since is not None:
+            self.event_lags.append((shard.index, now - shard.batch_since))
+            shard.batch_since = None
 
     def _poll_done(self, shard: _Shard, call: _Call, now: float) -> None:
         try:
             changes = unpack(call.future.result())
-        except Exception:
-            self._poll_failed(shard, now)
+        except Exception as e:
+            self._poll_failed(shard, now, e)
             return
         shard.poll_failures = 0
         shard.view.apply(changes)
         if shard.registered_epoch is not None and changes.cursor.epoch != shard.registered_epoch:
             self._resync_later(shard, now)
 
-    def _poll_failed(self, shard: _Shard, now: float) -> None:
+    def _report(self, shard: _Shard, now: float) -> dict | None:
+        """The replica's stats when they are due to go to `shard`, else None."""
+        if self.report is None or now - shard.reported_at < HEARTBEAT_INTERVAL_S:
+            return None
+        shard.reported_at = now
+        try:
+            return self.report()
+        except Exception:  # the stats must never hold up publishing
+            logger.exception("directory link: the replica's report failed")
+            return None
+
+    def _poll_failed(self, shard: _Shard, now: float, error: Exception) -> None:
+        self.errors.add("directory_poll", f"shard {shard.index}: {error}")
         shard.poll_failures += 1
         shard.poll_at = now + _backoff(shard.poll_failures)
 

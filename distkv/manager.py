@@ -79,6 +79,9 @@ class LocalOffloadingManager(OffloadingManager):
         self._events: list[OffloadingEvent] = []
         # pins that reset_cache dropped with their blocks, for the loads still to complete
         self._dropped_pins: dict[OffloadKey, int] = {}
+        # blocks made loadable by complete_store, and evicted to make room, so far
+        self.blocks_stored = 0
+        self.blocks_evicted = 0
 
     @property
     def num_rows(self) -> int:
@@ -231,6 +234,7 @@ class LocalOffloadingManager(OffloadingManager):
             for key in victims:
                 free_rows.append(blocks.pop(key).row)
             self._num_evictable -= num_to_evict
+            self.blocks_evicted += num_to_evict
             self._events.append(OffloadingEvent(list(victims), self._medium, True))
             evicted = victims
 
@@ -269,6 +273,7 @@ class LocalOffloadingManager(OffloadingManager):
                     block.refs = 0
                     done.append(key)
             self._num_evictable += len(done)
+            self.blocks_stored += len(done)
         else:
             remove = self._policy.remove
             for key, block in landed:

@@ -18,12 +18,13 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from distkv.abstract import OffloadKey
 from distkv.directory import Holder, ReplicaInfo
+from distkv.metrics import MAX_OBSERVATIONS, ErrorLog
 from distkv.pool import HostPool, PoolLayout, checksum
 
 logger = logging.getLogger(__name__)
@@ -64,6 +65,7 @@ class Promotion:
     generation: int  # the local generation it will be sealed with
     holders: tuple[Holder, ...]
     deadline: float  # time.monotonic() after which it fails
+    submitted: float = field(default_factory=time.monotonic)  # when the manager asked for it
 
 
 class Promoter:
@@ -90,6 +92,14 @@ class Promoter:
         # time spent promoting, summed over batches (concurrent fetches each count)
         self.seconds_same_node = 0.0
         self.seconds_cross_node = 0.0
+        # promotions by path ("same_node", "cross_node"): started = succeeded + failed + in flight;
+        # one with no readable holder is never started and only counts as an error
+        self.started = {"same_node": 0, "cross_node": 0}
+        self.succeeded = {"same_node": 0, "cross_node": 0}
+        self.failed = {"same_node": 0, "cross_node": 0}
+        # (path, seconds from submission) of successful promotions, for the metrics exporter
+        self.latencies: deque[tuple[str, float]] = deque(maxlen=MAX_OBSERVATIONS)
+        self.errors = ErrorLog()
         self._thread = threading.Thread(target=self._run, name="distkv-promoter", daemon=True)
         self._thread.start()
 
@@ -118,7 +128,7 @@ class Promoter:
             batch = self._take_batch()
             if batch is None:
                 for _, _, promotions, _, _ in self._in_flight:
-                    self._finish(promotions, False)
+                    self._finish(promotions, False, "cross_node")
                 return
             if batch:
                 self._start(batch)
@@ -142,11 +152,13 @@ class Promoter:
         for p in batch:
             info = self._choose(p)
             if info is None:
-                self._finish([p], False)
+                self._finish([p], False, None, "promotion_no_holder", f"{len(p.holders)} holder(s) known")
                 continue
             by_holder.setdefault(info.replica_id, (info, []))[1].append(p)
         for info, promotions in by_holder.values():
-            if info.node_id == self._node_id:
+            same_node = info.node_id == self._node_id
+            self.started["same_node" if same_node else "cross_node"] += len(promotions)
+            if same_node:
                 self._copy_same_node(info, promotions)
             else:
                 held = [self._held_row(p, info) for p in promotions]
@@ -155,9 +167,9 @@ class Promoter:
                     future = self._fetch_remote(
                         info, [h.row for h in held], [p.key for p in promotions], [h.generation for h in held]
                     )
-                except Exception:
+                except Exception as e:
                     logger.warning("promotion from %s could not start", info.replica_id, exc_info=True)
-                    self._finish(promotions, False)
+                    self._finish(promotions, False, "cross_node", "promotion_fetch", f"from {info.replica_id}: {e}")
                     continue
                 index = {p.key: i for i, p in enumerate(promotions)}
                 self._in_flight.append((future, info, promotions, index, asked))
@@ -181,16 +193,16 @@ class Promoter:
         started = time.perf_counter()
         try:
             holder_pool = HostPool(info.pool_name, layout_of(info), create=False)
-        except (FileNotFoundError, ValueError):
-            self._finish(promotions, False)
+        except (FileNotFoundError, ValueError) as e:
+            self._finish(promotions, False, "same_node", "promotion_fetch", f"from {info.replica_id}: {e}")
             return
         try:
             for p in promotions:
                 held = self._held_row(p, info)
                 ok = self._write_local(p, lambda rank, out: holder_pool.read(rank, held.row, p.key, held.generation, out))
-                self._finish([p], ok, same_node=True)
                 if ok:
                     self.bytes_same_node += self._pool.layout.num_ranks * self._pool.layout.slot_bytes
+                self._finish([p], ok, "same_node", None if ok else "promotion_stale", f"from {info.replica_id}")
         finally:
             holder_pool.close()
             self.seconds_same_node += time.perf_counter() - started
@@ -202,7 +214,7 @@ class Promoter:
             if not future.done():
                 expired = [p for p in promotions if p.deadline <= now]
                 if expired:
-                    self._finish(expired, False)
+                    self._finish(expired, False, "cross_node", "promotion_timeout", f"from {info.replica_id}")
                     promotions = [p for p in promotions if p.deadline > now]
                 if promotions:
                     still.append((future, info, promotions, index, asked))
@@ -211,7 +223,7 @@ class Promoter:
                 data, metas = future.result()
             except Exception as e:
                 logger.warning("promotion from %s failed: %s", info.replica_id, e)
-                self._finish(promotions, False)
+                self._finish(promotions, False, "cross_node", "promotion_fetch", f"from {info.replica_id}: {e}")
                 continue
             for p in promotions:
                 i = index[p.key]
@@ -220,7 +232,7 @@ class Promoter:
                 )
                 if ok:
                     self.bytes_cross_node += sum(n for n, _ in metas[i])
-                self._finish([p], ok)
+                self._finish([p], ok, "cross_node", None if ok else "promotion_stale", f"from {info.replica_id}")
             self.seconds_cross_node += time.perf_counter() - asked
         self._in_flight = still
 
@@ -237,9 +249,23 @@ class Promoter:
             self._pool.seal(rank, rows, [p.key], gens, nbytes, [checksum])
         return True
 
-    def _finish(self, promotions: list[Promotion], ok: bool, same_node: bool = False) -> None:
+    def _finish(
+        self, promotions: list[Promotion], ok: bool, path: str | None, error: str | None = None, detail: str = ""
+    ) -> None:
+        """Hand the outcome to the manager. `path`: how they were read (None: never started);
+        `error`: the kind of failure to count (None for successes and shutdown)."""
+        # counted first: a caller that saw the outcome sees it counted
+        if path is not None:
+            if ok:
+                self.succeeded[path] += len(promotions)
+                now = time.monotonic()
+                self.latencies.extend((path, now - p.submitted) for p in promotions)
+            else:
+                self.failed[path] += len(promotions)
+        if error is not None:
+            self.errors.add(error, f"{len(promotions)} promotion(s) {detail}", len(promotions))
         for p in promotions:
-            self._finished.append((p.key, ok, same_node))
+            self._finished.append((p.key, ok, path == "same_node"))
 
 
 def _copy_checked(src: np.ndarray, meta: tuple[int, int], out: np.ndarray) -> tuple[int, int] | None:

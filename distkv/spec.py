@@ -65,6 +65,7 @@ def join_cluster(plan: ReplicaPlan, pool: HostPool, local: LocalOffloadingManage
     """
     import ray
 
+    from distkv import metrics
     from distkv.cluster import ClusterOffloadingManager
     from distkv.directory import DirectoryLink, ReplicaInfo
     from distkv.promotion import Promoter
@@ -80,13 +81,16 @@ def join_cluster(plan: ReplicaPlan, pool: HostPool, local: LocalOffloadingManage
     link = DirectoryLink(plan.namespace, info, config.directory_shards)
     link.start()
     promoter = Promoter(pool, node_id, link.replica, AgentFetch())
-    return ClusterOffloadingManager(
+    manager = ClusterOffloadingManager(
         local,
         link,
         promoter,
         store_policy=config.store_policy,
         promotion_timeout_s=config.promotion_timeout_s,
     )
+    link.report = manager.stats  # goes to the Directory with the link's heartbeats, for `distkv status`
+    metrics.register(metrics.ReplicaSource(manager))
+    return manager
 
 
 class LocalOffloadingSpec(OffloadingSpec):

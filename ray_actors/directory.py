@@ -16,6 +16,7 @@ from collections.abc import Sequence
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from distkv import metrics
 from distkv.abstract import OffloadKey
 from distkv.directory import Cursor, DirectoryState, ReplicaInfo, check_stored, pack, unpack
 
@@ -36,9 +37,12 @@ class DirectoryShard:
     packed list of (key, row, generation), changes and query answers go back packed.
     """
 
-    def __init__(self, replica_timeout_s: float = REPLICA_TIMEOUT_S) -> None:
+    def __init__(self, replica_timeout_s: float = REPLICA_TIMEOUT_S, namespace: str = "", shard: int = 0) -> None:
         self._state = DirectoryState()
         self._replica_timeout_s = replica_timeout_s
+        self._namespace = namespace
+        self._shard = shard
+        metrics.register(metrics.DirectorySource(self._state, namespace, shard, metrics.this_node()))
         self._changed = asyncio.Event()
         # Ray runs an async actor's __init__ on its event loop.
         self._watcher = asyncio.get_running_loop().create_task(self._watch())
@@ -54,14 +58,18 @@ class DirectoryShard:
         self._notify(before)
         return self._state.epoch, True
 
-    async def publish(self, replica_id: str, seq: int, changes: bytes) -> tuple[str, bool]:
+    async def publish(
+        self, replica_id: str, seq: int, changes: bytes, report: dict | None = None
+    ) -> tuple[str, bool]:
         """Apply a packed (stored, removed); (epoch, whether the replica is registered).
 
-        See `DirectoryState.publish`.
+        See `DirectoryState.publish`. `report`: the replica's latest stats, if sent along.
         """
         stored, removed = unpack(changes)
         before = self._state.cursor()
         known = self._state.publish(replica_id, seq, stored, removed)
+        if known and report is not None:
+            self._state.set_report(replica_id, report)
         self._notify(before)
         return self._state.epoch, known
 
@@ -85,7 +93,17 @@ class DirectoryShard:
         return pack(self._state.changes(cursor))
 
     async def stats(self) -> dict[str, int | str]:
-        return {"epoch": self._state.epoch, "node_id": ray.get_runtime_context().get_node_id(), **self._state.stats()}
+        return {
+            "namespace": self._namespace,
+            "shard": self._shard,
+            "epoch": self._state.epoch,
+            "node_id": ray.get_runtime_context().get_node_id(),
+            **self._state.stats(),
+        }
+
+    async def replicas(self) -> list[dict]:
+        """The registered replicas with their latest reports; see `DirectoryState.replicas`."""
+        return self._state.replicas()
 
     def _notify(self, before: Cursor) -> None:
         if self._state.cursor() != before:
@@ -146,7 +164,7 @@ def get_or_create_shards(
             # answers it from its new (empty) state and epoch: the link then re-publishes
             max_task_retries=-1,
             scheduling_strategy=head,
-        ).remote(replica_timeout_s)
+        ).remote(replica_timeout_s, namespace, shard)
         for shard in range(num_shards)
     ]
 

@@ -8,6 +8,7 @@ import numpy as np
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from distkv import metrics
 from distkv.abstract import OffloadKey
 from distkv.directory import ReplicaInfo
 from distkv.pool import HostPool, PoolLayout
@@ -24,6 +25,10 @@ class NodeAgent:
     requesting replica, until that replica drops it.
     """
 
+    def __init__(self) -> None:
+        self._served = metrics.NodeAgentSource(metrics.this_node())
+        metrics.register(self._served)
+
     def read_rows(
         self,
         pool_name: str,
@@ -35,11 +40,14 @@ class NodeAgent:
         try:
             pool = HostPool(pool_name, PoolLayout(*layout), create=False)
         except (FileNotFoundError, ValueError):
+            self._served.record(len(rows), None)
             return np.empty((0,), dtype=np.uint8), [None] * len(rows)
         try:
-            return read_rows(pool, rows, keys, generations)
+            data, metas = read_rows(pool, rows, keys, generations)
         finally:
             pool.close()
+        self._served.record(len(rows), metas)
+        return data, metas
 
     def node_id(self) -> str:
         return ray.get_runtime_context().get_node_id()

@@ -67,5 +67,9 @@ class ReplicaActor:
         promoter = self.replica.manager.promoter
         return {"same_node": promoter.bytes_same_node, "cross_node": promoter.bytes_cross_node}
 
+    def stats(self) -> dict[str, Any]:
+        """The manager's counts (see ClusterOffloadingManager.stats)."""
+        return self.replica.manager.stats()
+
     def shutdown(self) -> None:
         self.replica.shutdown()

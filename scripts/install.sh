@@ -13,3 +13,17 @@ else
 fi
 # tests/vllm run against vLLM 0.33 installed without its CUDA stack.
 case ",$extras," in *,test,*) bash scripts/install_vllm_cpu.sh ;; esac
+# tests/ray/test_dashboard.py drives Debian's chromium headless (it skips without it): about 30 s
+# of apt the first time, nothing once installed.
+install_chromium() {
+  [ -x /usr/bin/chromium ] && return 0
+  command -v apt-get >/dev/null 2>&1 || { echo "install.sh: no apt-get, no chromium: tests/ray/test_dashboard.py will skip" >&2; return 0; }
+  local sudo=()
+  if [ "$(id -u)" -ne 0 ]; then
+    command -v sudo >/dev/null 2>&1 || { echo "install.sh: not root and no sudo, no chromium: tests/ray/test_dashboard.py will skip" >&2; return 0; }
+    sudo=(sudo -n)
+  fi
+  { "${sudo[@]}" apt-get update -qq && "${sudo[@]}" env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; } \
+    || echo "install.sh: installing chromium failed: tests/ray/test_dashboard.py will skip" >&2
+}
+case ",$extras," in *,test,*) install_chromium ;; esac

@@ -21,6 +21,7 @@ from typing import Protocol
 
 import torch
 
+from distkv import metrics
 from distkv.abstract import GPULoadStoreSpec, OffloadingHandler, TransferResult, TransferSpec
 from distkv.handlers.layout import CopyPlan, CopyPlanner, SlotLayout
 from distkv.pool import MAX_KEY_BYTES, HostPool, PoolLoadStoreSpec
@@ -89,6 +90,15 @@ class PoolTransferHandler(OffloadingHandler, ABC):
         self._jobs: deque[_Job] = deque()
         self._last_end = 0.0  # touched by the finisher thread only
         self._closed = False
+        # bytes copied, time busy copying and jobs failed so far (the finisher thread counts)
+        self.bytes_moved = 0
+        self.busy_s = 0.0
+        self.jobs_failed = 0
+        metrics.register(metrics.HandlerSource(self, metrics.this_node()))
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
 
     @property
     def transfer_type(self) -> tuple[str, str]:
@@ -185,13 +195,17 @@ class PoolTransferHandler(OffloadingHandler, ABC):
                 logger.exception("%s job %d failed", type(self).__name__, job_id)
                 success = False
         self._last_end = time.perf_counter()
-        return TransferResult(
+        result = TransferResult(
             job_id=job_id,
             success=success,
             transfer_size=plan.total_bytes if tickets else 0,
             transfer_time=self._last_end - start,
             transfer_type=self.transfer_type,
         )
+        self.bytes_moved += result.transfer_size
+        self.busy_s += result.transfer_time
+        self.jobs_failed += not success
+        return result
 
     def _finish_segment(
         self, job_id: int, plan: CopyPlan, pool_spec: PoolLoadStoreSpec, segment: int, ticket: CopyTicket

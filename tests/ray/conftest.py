@@ -29,3 +29,23 @@ def ray_session():
     finally:
         kill_named_actors()
         ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def ray_with_dashboard():
+    """As ray_session, with Ray's dashboard (on a free port: its URL is in the context
+    yielded) and metrics reported to the node's metrics agent every second."""
+    context = ray.init(
+        address="local",
+        num_cpus=2,
+        object_store_memory=200 * 1024**2,
+        include_dashboard=True,
+        dashboard_port=0,
+        namespace=RAY_NAMESPACE,
+        _system_config={"metrics_report_interval_ms": 1000},
+    )
+    try:
+        yield context
+    finally:
+        kill_named_actors()
+        ray.shutdown()

@@ -1,0 +1,71 @@
+"""`distkv status` without Ray: merging what the shards say of each replica, and the table."""
+
+import argparse
+import socket
+
+from distkv.status import format_status, hit_rate, merge_replicas, recent_errors, run
+
+
+def report(t: float, local_hit: int = 0, miss: int = 0, errors=()) -> dict:
+    paths = {"same_node": 0, "cross_node": 0}
+    return {
+        "time": t,
+        "lookups": {"local_hit": local_hit, "remote_hit": 0, "miss": miss, "retry": 0},
+        "promotions": {"started": paths, "succeeded": paths, "failed": paths, "bytes": paths, "in_flight": 0},
+        "blocks": {"stored": 4, "evicted": 0, "loaded": {"local": 0, "same_node": 0, "cross_node": 0}},
+        "pool": {"rows": 8, "free_rows": 4, "used_bytes": 4 << 20, "capacity_bytes": 8 << 20},
+        "errors": {kind: 1 for _, kind, _ in errors},
+        "recent_errors": list(errors),
+    }
+
+
+def shard_entry(replica: str, keys: int, seen: float, rep: dict | None) -> dict:
+    return {"replica_id": replica, "node_id": "n" * 56, "pool_name": f"distkv-ns-{replica}", "num_rows": 8,
+            "num_ranks": 1, "slot_bytes": 1 << 20, "keys": keys, "seen_s_ago": seen, "report": rep}
+
+
+def test_a_replica_is_merged_over_shards_with_its_newest_report():
+    merged = merge_replicas([
+        ("ns", shard_entry("r1", 3, 0.4, report(10.0, local_hit=1))),
+        ("ns", shard_entry("r1", 5, 0.1, report(11.0, local_hit=3, miss=1))),
+        ("ns", shard_entry("r2", 0, 0.2, None)),  # registered, no report yet
+    ])
+    r1, r2 = merged
+    assert (r1["replica"], r1["directory_keys"], r1["seen_s_ago"]) == ("r1", 8, 0.1)
+    assert r1["lookups"]["local_hit"] == 3 and r1["hit_rate"] == 0.75
+    assert r2["lookups"] is None and r2["hit_rate"] is None
+
+
+def test_hit_rate_leaves_retries_out():
+    assert hit_rate({"local_hit": 2, "remote_hit": 1, "miss": 1, "retry": 50}) == 0.75
+    assert hit_rate({"local_hit": 0, "remote_hit": 0, "miss": 0, "retry": 3}) is None
+
+
+def test_the_table_shows_every_section():
+    errors = [(100.0, "promotion_timeout", "2 promotion(s) from r9"), (50.0, "store_rejected", "1 x full")]
+    replicas = merge_replicas([("ns", shard_entry("r1", 4, 0.3, report(12.0, local_hit=9, miss=1, errors=errors)))])
+    status = {
+        "nodes": [{"node_id": "n" * 56, "address": "10.0.0.1", "alive": True, "head": True, "node_agent": True,
+                   "replicas": 1, "metrics_export_port": 1234}],
+        "replicas": replicas,
+        "directory": [
+            {"namespace": "ns", "shard": 0, "node_id": "n" * 56, "epoch": "e", "keys": 4, "holders": 4, "replicas": 1,
+             "log_entries": 2, "operations": {"publishes": 7, "queries": 0}},
+            {"namespace": "ns", "shard": 1, "error": "no answer within 10 s"},
+        ],
+        "recent_errors": recent_errors(replicas),
+    }
+    assert [e["kind"] for e in status["recent_errors"]] == ["store_rejected", "promotion_timeout"]
+    table = format_status(status)
+    assert "1 live node(s), 1 replica(s), 1 cache namespace(s), 2 Directory shard(s)" in table
+    assert "4.0 MiB / 8.0 MiB (50%)" in table and "90.0%" in table
+    assert "no answer within 10 s" in table and "promotion_timeout" in table
+    assert "n" * 12 in table and "n" * 13 not in table  # node ids shortened
+
+
+def test_an_address_nobody_listens_on_fails_at_once(capsys):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    assert run(argparse.Namespace(address=f"127.0.0.1:{port}", json=True)) == 1
+    assert "cannot connect to the Ray cluster" in capsys.readouterr().err
