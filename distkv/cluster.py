@@ -15,7 +15,7 @@ from distkv.abstract import (
 )
 from distkv.config import STORE_POLICIES
 from distkv.directory import DirectoryLink
-from distkv.manager import LocalOffloadingManager, check_keys
+from distkv.manager import LocalOffloadingManager, check_keys, key_problem
 from distkv.metrics import ErrorLog, merge_errors
 from distkv.promotion import Promoter, Promotion
 
@@ -50,6 +50,8 @@ class ClusterOffloadingManager(OffloadingManager):
         if promotion_timeout_s <= 0:
             raise ValueError(f"promotion_timeout_s={promotion_timeout_s} must be positive")
         self.local = local
+        self._local_block = local.blocks.get
+        self._view_get = link.view.get
         self.link = link
         self.promoter = promoter
         self.dedupe = store_policy == "dedupe"
@@ -78,27 +80,42 @@ class ClusterOffloadingManager(OffloadingManager):
     # ---- the hot path ----------------------------------------------------------------
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> bool | None:
-        hit = self.local.lookup(key, req_context)
-        if hit:  # the common case first: nothing else to look at
-            self.lookups_local_hit += 1
-            return True
-        if self.promoter.has_finished():
-            self._apply_promotions()
-            hit = self.local.lookup(key, req_context)
-            if hit:
+        # As few steps as Python allows: a promotion in flight always has a local block,
+        # so a key without one needs only the view.
+        try:
+            block = self._local_block(key)
+        except TypeError:
+            block = None
+        if block is not None:
+            if block.refs >= 0:
                 self.lookups_local_hit += 1
                 return True
-        if hit is None:
-            self.lookups_retry += 1
-            return None
-        holders = self.link.holders(key)
+            return self._lookup_in_flight(key, req_context)
+        holders = self._view_get(key)
         if not holders:
+            problem = key_problem(key)
+            if problem is not None:
+                raise ValueError(problem)
             self.lookups_miss += 1
             return False
         hit = self._promote(key, holders)
         if hit is False:
             self.lookups_miss += 1
         return hit
+
+    def _lookup_in_flight(self, key: OffloadKey, req_context: ReqContext) -> bool | None:
+        """A local block whose store or promotion has not completed, as of the last check."""
+        if self.promoter.has_finished():
+            self._apply_promotions()
+        hit = self.local.lookup(key, req_context)
+        if hit:
+            self.lookups_local_hit += 1
+            return True
+        if hit is None:
+            self.lookups_retry += 1
+            return None
+        self.lookups_miss += 1  # its promotion just failed
+        return False
 
     def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> LoadStoreSpec:
         spec = self.local.prepare_load(keys, req_context)

@@ -18,7 +18,7 @@ import pickle
 import random
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, NamedTuple
 
@@ -532,6 +532,12 @@ class DirectoryLink:
         check_keys(keys)
         self._inbox.append((False, keys))
         self._wake.set()
+
+    @property
+    def view(self) -> Mapping[OffloadKey, tuple[Holder, ...]]:
+        """key -> the other replicas holding it: the view `holders` answers from. Read-only;
+        it is never replaced, so the scheduler's hot path may bind its `get` once."""
+        return self._holders
 
     def holders(self, key: OffloadKey) -> tuple[Holder, ...]:
         """The other replicas known to hold `key`, from the local view; () if none.

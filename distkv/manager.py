@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Collection, Iterable
+from collections.abc import Collection, Iterable, Mapping
 
 from distkv.abstract import (
     OffloadingEvent,
@@ -112,6 +112,13 @@ class LocalOffloadingManager(OffloadingManager):
             if problem is not None:
                 raise ValueError(problem)
         return block
+
+    @property
+    def blocks(self) -> Mapping[OffloadKey, _Block]:
+        """The block table: key -> block (row, generation, refs: -1 while its store is in
+        flight). Read-only for others; it is never replaced, so a caller may bind its
+        `get` once (the cluster manager's lookup does)."""
+        return self._blocks
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> bool | None:
         try:

@@ -14,8 +14,10 @@ import numpy as np
 import pytest
 
 from distkv.abstract import ReqContext
+from cluster_fakes import FakeDirectory, FakeLink
+
 from distkv.cluster import ClusterOffloadingManager
-from distkv.directory import Holder, ReplicaInfo
+from distkv.directory import ReplicaInfo
 from distkv.harness import Replica, block_keys
 from distkv.pool import HostPool
 from distkv.promotion import Promoter, layout_of, read_rows
@@ -24,43 +26,6 @@ from distkv.spec import LocalOffloadingSpec
 BLOCK_TOKENS = 16
 PAGE_BYTES = 16 << 10
 BLOCK_BYTES = 2 * PAGE_BYTES
-
-
-class FakeDirectory:
-    def __init__(self):
-        self.holders: dict[bytes, dict[str, Holder]] = {}
-        self.infos: dict[str, ReplicaInfo] = {}
-
-
-class FakeLink:
-    """The DirectoryLink's interface over a FakeDirectory, applied immediately."""
-
-    def __init__(self, directory: FakeDirectory, info: ReplicaInfo):
-        self.directory = directory
-        self.info = info
-        directory.infos[info.replica_id] = info
-
-    def stored(self, entries):
-        for key, row, gen in entries:
-            self.directory.holders.setdefault(key, {})[self.info.replica_id] = Holder(
-                self.info.replica_id, self.info.node_id, row, gen
-            )
-
-    def removed(self, keys):
-        for key in keys:
-            self.directory.holders.get(key, {}).pop(self.info.replica_id, None)
-
-    def holders(self, key):
-        return tuple(h for r, h in self.directory.holders.get(key, {}).items() if r != self.info.replica_id)
-
-    def replica(self, replica_id):
-        return self.directory.infos.get(replica_id)
-
-    def mine(self):
-        return {k for k, hs in self.directory.holders.items() if self.info.replica_id in hs}
-
-    def close(self):
-        self.removed(list(self.directory.holders))
 
 
 class PoolFetch:

@@ -15,8 +15,10 @@ import pytest
 
 from distkv import metrics
 from distkv.abstract import ReqContext
+from cluster_fakes import FakeDirectory, FakeLink
+
 from distkv.cluster import ClusterOffloadingManager
-from distkv.directory import DirectoryState, Holder, ReplicaInfo
+from distkv.directory import DirectoryState, ReplicaInfo
 from distkv.harness import Replica, block_keys
 from distkv.metrics import (
     METRICS,
@@ -205,44 +207,6 @@ def test_error_log_sync_notes_only_the_increase():
 
 
 # ---- what the components count ---------------------------------------------------------
-
-
-class FakeDirectory:
-    def __init__(self):
-        self.holders: dict[bytes, dict[str, Holder]] = {}
-        self.infos: dict[str, ReplicaInfo] = {}
-
-
-class FakeLink:
-    """The DirectoryLink's interface over a FakeDirectory, applied at once."""
-
-    namespace = "ns0"
-
-    def __init__(self, directory: FakeDirectory, info: ReplicaInfo):
-        self.directory = directory
-        self.info = info
-        self.errors = ErrorLog()
-        self.event_lags = collections.deque()
-        directory.infos[info.replica_id] = info
-
-    def stored(self, entries):
-        for key, row, gen in entries:
-            self.directory.holders.setdefault(key, {})[self.info.replica_id] = Holder(
-                self.info.replica_id, self.info.node_id, row, gen
-            )
-
-    def removed(self, keys):
-        for key in keys:
-            self.directory.holders.get(key, {}).pop(self.info.replica_id, None)
-
-    def holders(self, key):
-        return tuple(h for r, h in self.directory.holders.get(key, {}).items() if r != self.info.replica_id)
-
-    def replica(self, replica_id):
-        return self.directory.infos.get(replica_id)
-
-    def close(self):
-        self.removed(list(self.directory.holders))
 
 
 def read_holder(info, rows, keys, gens):

@@ -200,8 +200,8 @@ def test_any_transfer_places_sub_blocks_as_vllm_does(data):
     firsts = data.draw(st.lists(st.integers(0, 20), min_size=num_groups, max_size=num_groups))
     ids = np.array(data.draw(st.permutations(range(24)))[: sum(sizes)], dtype=np.int64)
     num_rows = sum(-(-(n + b % f) // f) if n else 0 for n, b in zip(sizes, firsts))
-    rows = np.array(data.draw(st.permutations(range(16)))[:num_rows], dtype=np.int64)
-    rig = Rig(caches(make_kv([24] * num_tensors, row_bytes), groups), f, PoolLayout(16, 2, PAGE_BYTES), rank=1)
+    rows = np.array(data.draw(st.permutations(range(24)))[:num_rows], dtype=np.int64)
+    rig = Rig(caches(make_kv([24] * num_tensors, row_bytes), groups), f, PoolLayout(24, 2, PAGE_BYTES), rank=1)
     try:
         round_trip(rig, ids, sizes, firsts, rows)
         assert not rig.pool.payload[0].any(), "rank 1's handlers wrote into rank 0's slots"

@@ -1,0 +1,54 @@
+"""An in-memory Directory and link for testing the cluster manager without Ray."""
+
+import collections
+
+from distkv.directory import Holder, ReplicaInfo
+from distkv.metrics import ErrorLog
+
+
+class FakeDirectory:
+    def __init__(self):
+        self.holders: dict[bytes, dict[str, Holder]] = {}
+        self.infos: dict[str, ReplicaInfo] = {}
+
+
+class FakeLink:
+    """The DirectoryLink's interface over a FakeDirectory, applied at once."""
+
+    namespace = "ns0"
+
+    def __init__(self, directory: FakeDirectory, info: ReplicaInfo):
+        self.directory = directory
+        self.info = info
+        self.errors = ErrorLog()
+        self.event_lags = collections.deque()
+        directory.infos[info.replica_id] = info
+
+    def stored(self, entries):
+        for key, row, gen in entries:
+            self.directory.holders.setdefault(key, {})[self.info.replica_id] = Holder(
+                self.info.replica_id, self.info.node_id, row, gen
+            )
+
+    def removed(self, keys):
+        for key in keys:
+            self.directory.holders.get(key, {}).pop(self.info.replica_id, None)
+
+    def holders(self, key):
+        return tuple(h for r, h in self.directory.holders.get(key, {}).items() if r != self.info.replica_id)
+
+    @property
+    def view(self):
+        return self  # its get() is all the manager reads
+
+    def get(self, key, default=None):
+        return self.holders(key) or default
+
+    def replica(self, replica_id):
+        return self.directory.infos.get(replica_id)
+
+    def mine(self):
+        return {k for k, hs in self.directory.holders.items() if self.info.replica_id in hs}
+
+    def close(self):
+        self.removed(list(self.directory.holders))
