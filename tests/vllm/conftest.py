@@ -39,29 +39,3 @@ def model_dir(tmp_path_factory) -> str:
     path = tmp_path_factory.mktemp("opt-tiny")
     (path / "config.json").write_text(json.dumps(MODEL_CONFIG))
     return str(path)
-
-
-@pytest.fixture(scope="module")
-def ray_session():
-    """One local Ray for the test module, torn down with distkv's named actors after it."""
-    import ray
-
-    from ray_actors.directory import RAY_NAMESPACE
-
-    ray.init(
-        address="local",
-        num_cpus=2,
-        object_store_memory=200 * 1024**2,
-        include_dashboard=False,
-        namespace=RAY_NAMESPACE,
-    )
-    try:
-        yield
-    finally:
-        for actor in ray.util.list_named_actors(all_namespaces=True):
-            if actor["namespace"] == RAY_NAMESPACE:
-                try:
-                    ray.kill(ray.get_actor(actor["name"], namespace=RAY_NAMESPACE), no_restart=True)
-                except ValueError:  # gone meanwhile
-                    pass
-        ray.shutdown()

@@ -1,3 +1,5 @@
+"""Fixtures shared by the Ray-backed suites (tests/ray, tests/vllm)."""
+
 import pytest
 import ray
 
