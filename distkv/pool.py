@@ -352,22 +352,29 @@ class HostPool:
         ok = checksum(self.payload[rank, row, : int(words[_NBYTES])]) == int(words[_SUM])
         return ok and int(words[_GEN]) == generation
 
+    def sealed(self, rank: int, row: int, key: bytes, generation: int) -> tuple[int, int] | None:
+        """(nbytes, checksum) the slot's header holds for key@generation, or None.
+
+        What a reader checks its copy against: the header alone says nothing of the payload.
+        """
+        if not self.holds(rank, row, key, generation):
+            return None
+        words = self._words[rank, row]
+        return int(words[_NBYTES]), int(words[_SUM])
+
     def read(self, rank: int, row: int, key: bytes, generation: int, out: np.ndarray) -> tuple[int, int] | None:
         """Copy a sealed slot into out: (nbytes, checksum), or None if it is not key@generation.
 
         Safe against a concurrent writer: the copy is checked, not the pool.
         """
-        if not self.holds(rank, row, key, generation):
+        meta = self.sealed(rank, row, key, generation)
+        if meta is None or meta[0] > out.nbytes:
             return None
-        words = self._words[rank, row]
-        nbytes = int(words[_NBYTES])
-        expected = int(words[_SUM])
-        if nbytes > out.nbytes:
-            return None
+        nbytes, expected = meta
         out[:nbytes] = self.payload[rank, row, :nbytes]
-        if int(words[_GEN]) != generation or checksum(out[:nbytes]) != expected:
+        if self.generation(rank, row) != generation or checksum(out[:nbytes]) != expected:
             return None
-        return nbytes, expected
+        return meta
 
     def rank_address(self, rank: int) -> int:
         """Host address of rank's first slot (for pinning and raw copies)."""

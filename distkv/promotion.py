@@ -29,10 +29,11 @@ from distkv.pool import HostPool, PoolLayout, checksum
 
 logger = logging.getLogger(__name__)
 
-# Per row, per rank: (nbytes, checksum) of a validated slot copy; None for a row that
-# did not check out at the holder.
+# Per row, per rank: (nbytes, checksum) of a sealed slot; None for a row that did not
+# check out at the holder.
 SlotMeta = list[tuple[int, int]] | None
-RowsRead = tuple[np.ndarray, list[SlotMeta]]
+# Per row, per rank: the slot's bytes (None for a row that did not check out), and its metas.
+RowsRead = tuple[list[list[np.ndarray] | None], list[SlotMeta]]
 # fetch(holder's replica info, rows, keys, generations) -> future of RowsRead
 RemoteFetch = Callable[[ReplicaInfo, list[int], list[OffloadKey], list[int]], "Future[RowsRead]"]
 
@@ -41,21 +42,42 @@ def layout_of(info: ReplicaInfo) -> PoolLayout:
     return PoolLayout(info.num_rows, info.num_ranks, info.slot_bytes)
 
 
-def read_rows(pool: HostPool, rows: Sequence[int], keys: Sequence[OffloadKey], generations: Sequence[int]) -> RowsRead:
-    """Validated copies of whole rows (every rank's slot): what a holder serves."""
-    layout = pool.layout
-    out = np.empty((len(rows), layout.num_ranks, layout.slot_bytes), dtype=np.uint8)
+def sealed_views(
+    pool: HostPool, rows: Sequence[int], keys: Sequence[OffloadKey], generations: Sequence[int]
+) -> RowsRead:
+    """Views of whole rows (every rank's slot) sealed as key@generation, with their metas.
+
+    Views, not copies: whoever copies them out calls `recheck` afterwards, and the
+    reader checks its copy against the checksums.
+    """
+    views: list[list[np.ndarray] | None] = []
     metas: list[SlotMeta] = []
+    for row, key, gen in zip(rows, keys, generations):
+        meta = [pool.sealed(rank, row, key, gen) for rank in range(pool.layout.num_ranks)]
+        if None in meta:
+            views.append(None)
+            metas.append(None)
+        else:
+            views.append([pool.payload[rank, row, :nbytes] for rank, (nbytes, _) in enumerate(meta)])
+            metas.append(meta)
+    return views, metas
+
+
+def recheck(
+    pool: HostPool, rows: Sequence[int], keys: Sequence[OffloadKey], generations: Sequence[int], metas: list[SlotMeta]
+) -> None:
+    """After copying sealed_views out: a row rewritten meanwhile no longer checks out."""
     for i, (row, key, gen) in enumerate(zip(rows, keys, generations)):
-        meta = []
-        for rank in range(layout.num_ranks):
-            read = pool.read(rank, row, key, gen, out[i, rank])
-            if read is None:
-                meta = None
-                break
-            meta.append(read)
-        metas.append(meta)
-    return out, metas
+        if metas[i] is not None and not all(pool.holds(r, row, key, gen) for r in range(pool.layout.num_ranks)):
+            metas[i] = None
+
+
+def read_rows(pool: HostPool, rows: Sequence[int], keys: Sequence[OffloadKey], generations: Sequence[int]) -> RowsRead:
+    """Copies of whole rows sealed as key@generation: what a holder serves, in one process."""
+    views, metas = sealed_views(pool, rows, keys, generations)
+    copies = [None if row is None else [v.copy() for v in row] for row in views]
+    recheck(pool, rows, keys, generations, metas)
+    return copies, metas
 
 
 @dataclass
@@ -160,19 +182,22 @@ class Promoter:
             self.started["same_node" if same_node else "cross_node"] += len(promotions)
             if same_node:
                 self._copy_same_node(info, promotions)
-            else:
-                held = [self._held_row(p, info) for p in promotions]
-                asked = time.perf_counter()
-                try:
-                    future = self._fetch_remote(
-                        info, [h.row for h in held], [p.key for p in promotions], [h.generation for h in held]
-                    )
-                except Exception as e:
-                    logger.warning("promotion from %s could not start", info.replica_id, exc_info=True)
-                    self._finish(promotions, False, "cross_node", "promotion_fetch", f"from {info.replica_id}: {e}")
-                    continue
-                index = {p.key: i for i, p in enumerate(promotions)}
-                self._in_flight.append((future, info, promotions, index, asked))
+                continue
+            self._fetch(info, promotions)
+
+    def _fetch(self, info: ReplicaInfo, promotions: list[Promotion]) -> None:
+        held = [self._held_row(p, info) for p in promotions]
+        asked = time.perf_counter()
+        try:
+            future = self._fetch_remote(
+                info, [h.row for h in held], [p.key for p in promotions], [h.generation for h in held]
+            )
+        except Exception as e:
+            logger.warning("promotion from %s could not start", info.replica_id, exc_info=True)
+            self._finish(promotions, False, "cross_node", "promotion_fetch", f"from {info.replica_id}: {e}")
+            return
+        index = {p.key: i for i, p in enumerate(promotions)}
+        self._in_flight.append((future, info, promotions, index, asked))
 
     def _choose(self, p: Promotion) -> ReplicaInfo | None:
         """A holder whose pool we can read, on this node if possible."""
@@ -227,8 +252,8 @@ class Promoter:
                 continue
             for p in promotions:
                 i = index[p.key]
-                ok = metas[i] is not None and self._write_local(
-                    p, lambda rank, out, i=i: _copy_checked(data[i, rank], metas[i][rank], out)
+                ok = metas[i] is not None and data[i] is not None and self._write_local(
+                    p, lambda rank, out, i=i: _copy_checked(data[i][rank], metas[i][rank], out)
                 )
                 if ok:
                     self.bytes_cross_node += sum(n for n, _ in metas[i])

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from concurrent.futures import Future
 
-import numpy as np
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
@@ -12,17 +11,19 @@ from distkv import metrics
 from distkv.abstract import OffloadKey
 from distkv.directory import ReplicaInfo
 from distkv.pool import HostPool, PoolLayout
-from distkv.promotion import RowsRead, read_rows
+from distkv.promotion import RowsRead, SlotMeta, recheck, sealed_views
 
 RAY_NAMESPACE = "distkv"
 
 
 @ray.remote(num_cpus=0, max_concurrency=8)
 class NodeAgent:
-    """Reads validated rows from a pool on this node and returns them as one object.
+    """Serves rows of a pool on this node to other nodes as one object in the object store.
 
-    The object is the task's return value: it lives in the object store, owned by the
-    requesting replica, until that replica drops it.
+    The rows go from the pool straight into the object (one copy); the object is owned by
+    the agent, which outlives every read, and freed once the requester drops it. Rows
+    rewritten while they were copied are reported as not checking out, and the requester
+    checks every slot it receives against its checksum.
     """
 
     def __init__(self) -> None:
@@ -36,18 +37,22 @@ class NodeAgent:
         rows: list[int],
         keys: list[OffloadKey],
         generations: list[int],
-    ) -> RowsRead:
+    ) -> tuple[list[ray.ObjectRef] | None, list[SlotMeta]]:
+        """([ref of the rows' slot bytes], metas); the ref is nested so the reply does not carry the bytes."""
         try:
             pool = HostPool(pool_name, PoolLayout(*layout), create=False)
         except (FileNotFoundError, ValueError):
             self._served.record(len(rows), None)
-            return np.empty((0,), dtype=np.uint8), [None] * len(rows)
+            return None, [None] * len(rows)
         try:
-            data, metas = read_rows(pool, rows, keys, generations)
+            views, metas = sealed_views(pool, rows, keys, generations)
+            ref = ray.put(views)
+            del views  # the pool is unmapped below
+            recheck(pool, rows, keys, generations, metas)
         finally:
             pool.close()
         self._served.record(len(rows), metas)
-        return data, metas
+        return [ref], metas
 
     def node_id(self) -> str:
         return ray.get_runtime_context().get_node_id()
@@ -80,7 +85,27 @@ class AgentFetch:
         if agent is None:
             agent = ray.get_actor(agent_name(info.node_id), namespace=RAY_NAMESPACE)
             self._agents[info.node_id] = agent
-        ref = agent.read_rows.remote(
+        reply = agent.read_rows.remote(
             info.pool_name, (info.num_rows, info.num_ranks, info.slot_bytes), rows, keys, generations
-        )
-        return ref.future()
+        ).future()
+        rows_read: Future[RowsRead] = Future()
+
+        def replied(reply: Future) -> None:
+            try:
+                refs, metas = reply.result()
+            except Exception as e:
+                rows_read.set_exception(e)
+                return
+            if refs is None:
+                rows_read.set_result(([None] * len(metas), metas))
+                return
+            refs[0].future().add_done_callback(lambda data: fetched(data, metas))
+
+        def fetched(data: Future, metas: list[SlotMeta]) -> None:
+            try:
+                rows_read.set_result((data.result(), metas))
+            except Exception as e:
+                rows_read.set_exception(e)
+
+        reply.add_done_callback(replied)
+        return rows_read

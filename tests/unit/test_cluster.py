@@ -53,7 +53,9 @@ class PoolFetch:
             finally:
                 pool.close()
             if self.corrupt:
-                data[:, :, 0] ^= 0xFF
+                for slots in data:
+                    if slots is not None:
+                        slots[0][0] ^= 0xFF
             future.set_result((data, metas))
         self.pending.clear()
 
