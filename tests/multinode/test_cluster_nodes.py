@@ -11,8 +11,8 @@ import uuid
 import numpy as np
 import pytest
 import ray
+from clusters import simulated_cluster
 from ray._private import internal_api
-from ray.cluster_utils import Cluster
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from distkv.directory import unpack
@@ -23,7 +23,6 @@ from ray_actors.directory import RAY_NAMESPACE, get_or_create_shards, kill_shard
 from ray_actors.node_agent import agent_name
 from ray_actors.replica import ReplicaActor
 
-MB = 1024**2
 BLOCK_TOKENS = 16
 PAGE_BYTES = 32 << 10
 SLOT_BYTES = 2 * PAGE_BYTES  # K and V pages of one block: what a promotion copies per block
@@ -32,18 +31,8 @@ SLOT_BYTES = 2 * PAGE_BYTES  # K and V pages of one block: what a promotion copi
 @pytest.fixture(scope="module")
 def cluster():
     """A head node (the Directory) and three nodes for replicas."""
-    cluster = Cluster(
-        initialize_head=True,
-        connect=True,
-        head_node_args={"num_cpus": 1, "object_store_memory": 100 * MB, "include_dashboard": False},
-    )
-    try:
-        nodes = [cluster.add_node(num_cpus=1, object_store_memory=100 * MB) for _ in range(3)]
-        cluster.wait_for_nodes()
+    with simulated_cluster(extra_nodes=3) as (cluster, nodes):
         yield cluster, nodes
-    finally:
-        ray.shutdown()
-        cluster.shutdown()
 
 
 class Replicas:

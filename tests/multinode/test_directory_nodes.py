@@ -3,7 +3,7 @@ import uuid
 
 import pytest
 import ray
-from ray.cluster_utils import Cluster
+from clusters import simulated_cluster
 
 from distkv.directory import DirectoryLink, ReplicaInfo, pack
 from ray_actors.directory import get_or_create_shards, head_node_id, kill_shards
@@ -13,16 +13,8 @@ MB = 1024**2
 
 @pytest.fixture(scope="module")
 def cluster():
-    cluster = Cluster(
-        initialize_head=True,
-        connect=True,
-        head_node_args={"num_cpus": 1, "object_store_memory": 100 * MB, "include_dashboard": False},
-    )
-    try:
+    with simulated_cluster(extra_nodes=0) as (cluster, _):
         yield cluster
-    finally:
-        ray.shutdown()
-        cluster.shutdown()
 
 
 def test_holders_on_a_dead_node_are_dropped(cluster):

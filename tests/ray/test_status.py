@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import ray
-from ray.cluster_utils import Cluster
+from clusters import simulated_cluster
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from distkv import status
@@ -26,7 +26,6 @@ from distkv.spec import RayOffloadingSpec
 from ray_actors.replica import ReplicaActor
 
 ROOT = Path(__file__).resolve().parents[2]
-MB = 1024**2
 BLOCK_TOKENS = 16
 PAGE_BYTES = 32 << 10
 BLOCK_BYTES = 2 * PAGE_BYTES
@@ -36,18 +35,8 @@ COUNTS = ("lookups", "promotions", "blocks", "pool", "errors")
 
 @pytest.fixture(scope="module")
 def cluster():
-    cluster = Cluster(
-        initialize_head=True,
-        connect=True,
-        head_node_args={"num_cpus": 1, "object_store_memory": 100 * MB, "include_dashboard": False},
-    )
-    try:
-        cluster.add_node(num_cpus=1, object_store_memory=100 * MB)
-        cluster.wait_for_nodes()
+    with simulated_cluster(extra_nodes=1) as (cluster, _):
         yield cluster
-    finally:
-        ray.shutdown()
-        cluster.shutdown()
 
 
 @pytest.fixture
