@@ -12,29 +12,24 @@ if not torch.cuda.is_available():
     pytest.skip("needs a CUDA device", allow_module_level=True)
 cupy = pytest.importorskip("cupy")
 
+from handler_jobs import keys, run  # noqa: E402
+
 from distkv.abstract import (  # noqa: E402
     CanonicalKVCacheRef,
     CanonicalKVCaches,
     CanonicalKVCacheTensor,
     GPULoadStoreSpec,
-    make_offload_key,
 )
 from distkv.handlers import make_handlers  # noqa: E402
-from distkv.pool import PAGE_BYTES, HostPool, PoolLayout, PoolLoadStoreSpec, segment_name  # noqa: E402
+from distkv.pool import (  # noqa: E402
+    PAGE_BYTES,
+    HostPool,
+    PoolLayout,
+    PoolLoadStoreSpec,
+    segment_name,
+)
 
 pytestmark = pytest.mark.gpu
-
-
-def keys(n: int, tag: int = 0) -> list[bytes]:
-    return [make_offload_key(tag.to_bytes(4, "big") + i.to_bytes(4, "big"), 0) for i in range(n)]
-
-
-def run(handler, job_id: int, spec):
-    assert handler.transfer_async(job_id, spec)
-    handler.wait({job_id})
-    (result,) = handler.get_finished()
-    assert result.job_id == job_id
-    return result
 
 
 class Rig:

@@ -7,6 +7,7 @@ import uuid
 import numpy as np
 import pytest
 import torch
+from handler_jobs import keys, run
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -16,7 +17,6 @@ from distkv.abstract import (
     CanonicalKVCacheTensor,
     GPULoadStoreSpec,
     OffloadingWorker,
-    make_offload_key,
 )
 from distkv.handlers import (
     CopyPlanner,
@@ -26,7 +26,13 @@ from distkv.handlers import (
     StoreHandler,
     make_handlers,
 )
-from distkv.pool import PAGE_BYTES, HostPool, PoolLayout, PoolLoadStoreSpec, segment_name
+from distkv.pool import (
+    PAGE_BYTES,
+    HostPool,
+    PoolLayout,
+    PoolLoadStoreSpec,
+    segment_name,
+)
 
 
 def new_pool(layout: PoolLayout) -> HostPool:
@@ -43,18 +49,6 @@ def caches(tensors: list[torch.Tensor], groups: list[list[tuple[int, int]]]) -> 
         [CanonicalKVCacheTensor(t, t.shape[1]) for t in tensors],
         [[CanonicalKVCacheRef(idx, page) for idx, page in refs] for refs in groups],
     )
-
-
-def keys(n: int, tag: int = 0) -> list[bytes]:
-    return [make_offload_key(tag.to_bytes(4, "big") + i.to_bytes(4, "big"), 0) for i in range(n)]
-
-
-def run(handler, job_id: int, spec):
-    assert handler.transfer_async(job_id, spec)
-    handler.wait({job_id})
-    (result,) = handler.get_finished()
-    assert result.job_id == job_id
-    return result
 
 
 class Rig:
