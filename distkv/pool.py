@@ -314,18 +314,19 @@ class HostPool:
         keys: Sequence[bytes],
         generations: np.ndarray,
         nbytes: int,
-        checksums: Sequence[int] | None = None,
+        checksums: Sequence[int | None] | None = None,
     ) -> None:
         """Write the headers of freshly written rows: checksum and key first, generation last.
 
-        `checksums`, when the caller has just verified the payload against them, saves
-        computing them again.
+        `checksums`, the xxh3 of rows the caller hashed as it wrote or verified them
+        (None: hash that row here), saves reading them again.
         """
         words = self._words[rank]
         for i, (row, key, gen) in enumerate(zip(rows.tolist(), keys, generations.tolist())):
             if len(key) > MAX_KEY_BYTES:
                 raise ValueError(f"key of {len(key)} bytes exceeds the header's {MAX_KEY_BYTES}")
-            words[row, _SUM] = checksum(self.payload[rank, row, :nbytes]) if checksums is None else checksums[i]
+            known = None if checksums is None else checksums[i]
+            words[row, _SUM] = checksum(self.payload[rank, row, :nbytes]) if known is None else known
             words[row, _NBYTES] = nbytes
             words[row, _KEYLEN] = len(key)
             self._headers[rank, row, 32 : 32 + len(key)] = np.frombuffer(key, dtype=np.uint8)

@@ -54,10 +54,7 @@ def make_handlers(
         pinned = PinnedRegion(pool, rank)
         backends = [CudaCopyBackend(tensors, pinned), CudaCopyBackend(tensors, pinned)]
     else:
-        backends = [
-            CpuCopyBackend(tensors, pool, rank, CpuCopyBackend.STORE_SEGMENT_BYTES),
-            CpuCopyBackend(tensors, pool, rank, CpuCopyBackend.LOAD_SEGMENT_BYTES),
-        ]
+        backends = [CpuCopyBackend(tensors, pool, rank), CpuCopyBackend(tensors, pool, rank)]
     store = StoreHandler(layout, tensors, pool, rank, backends[0])
     load = LoadHandler(layout, tensors, pool, rank, backends[1])
     return [(GPULoadStoreSpec, PoolLoadStoreSpec, store), (PoolLoadStoreSpec, GPULoadStoreSpec, load)]

@@ -13,7 +13,7 @@ import logging
 import time
 from abc import ABC, abstractmethod
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from itertools import repeat
@@ -30,9 +30,13 @@ logger = logging.getLogger(__name__)
 
 
 class CopyTicket(Protocol):
-    def wait(self) -> None:
+    def wait(self) -> Mapping[int, tuple[int, int]] | None:
         """Return once the segment's copies are done (running them, for some backends);
-        raise if they failed."""
+        raise if they failed.
+
+        A store's ticket may return what it hashed while copying: {pool row: (n, xxh3
+        of the row's first n bytes)}, so that sealing need not read those bytes again.
+        """
 
 
 class CopyBackend(ABC):
@@ -163,8 +167,11 @@ class PoolTransferHandler(OffloadingHandler, ABC):
     def _before_copy(self, job_id: int, pool_spec: PoolLoadStoreSpec) -> bool:
         """Runs on the caller's thread before any byte moves; False skips the copy."""
 
-    def _after_segment(self, plan: CopyPlan, pool_spec: PoolLoadStoreSpec, segment: int) -> None:
-        """Runs on a segment thread once the segment's copies are done."""
+    def _after_segment(
+        self, plan: CopyPlan, pool_spec: PoolLoadStoreSpec, segment: int, hashed: Mapping[int, tuple[int, int]] | None
+    ) -> None:
+        """Runs on a segment thread once the segment's copies are done; `hashed` is what
+        its ticket returned."""
 
     def _after_copy(self, job_id: int, pool_spec: PoolLoadStoreSpec) -> bool:
         """Runs on the finisher thread once every copy is done; False fails the job."""
@@ -211,8 +218,8 @@ class PoolTransferHandler(OffloadingHandler, ABC):
         self, job_id: int, plan: CopyPlan, pool_spec: PoolLoadStoreSpec, segment: int, ticket: CopyTicket
     ) -> bool:
         try:
-            ticket.wait()
-            self._after_segment(plan, pool_spec, segment)
+            hashed = ticket.wait()
+            self._after_segment(plan, pool_spec, segment, hashed)
             return True
         except Exception:
             logger.exception("%s job %d failed in segment %d", type(self).__name__, job_id, segment)
@@ -235,19 +242,23 @@ class StoreHandler(PoolTransferHandler):
         self.pool.begin_write(self.rank, pool_spec.block_ids)
         return True
 
-    def _after_segment(self, plan: CopyPlan, pool_spec: PoolLoadStoreSpec, segment: int) -> None:
+    def _after_segment(
+        self, plan: CopyPlan, pool_spec: PoolLoadStoreSpec, segment: int, hashed: Mapping[int, tuple[int, int]] | None
+    ) -> None:
         # Seal per group: groups fill different numbers of slot bytes.
         lo, hi = plan.row_bounds[segment], plan.row_bounds[segment + 1]
         bounds = plan.group_row_bounds
         for g, group_bytes in enumerate(self.layout.group_bytes):
             first, last = max(lo, bounds[g]), min(hi, bounds[g + 1])
             if first < last:
+                rows = pool_spec.block_ids[first:last]
+                checksums = None
+                if hashed is not None:
+                    # a row the copy hashed only in part (an unaligned first block) is hashed again
+                    known = [hashed.get(row, (0, 0)) for row in rows.tolist()]
+                    checksums = [digest if n == group_bytes else None for n, digest in known]
                 self.pool.seal(
-                    self.rank,
-                    pool_spec.block_ids[first:last],
-                    pool_spec.keys[first:last],
-                    pool_spec.generations[first:last],
-                    group_bytes,
+                    self.rank, rows, pool_spec.keys[first:last], pool_spec.generations[first:last], group_bytes, checksums
                 )
 
 

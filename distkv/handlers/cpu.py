@@ -1,11 +1,14 @@
 """Copy backend for CPU tensors standing in for the GPU KV cache (tests, demos, CPU runs).
 
-A segment's copies run when a handler's segment thread waits on its ticket, so a store
-seals each segment right after copying it, while its bytes are still in cache, and the
+A segment's copies run when a handler's segment thread waits on its ticket, so the
 segments of a job copy on several cores at once. Copies go through numpy views of the
 tensors: a plain memcpy that releases the GIL. (torch's copy_ hands every slice to its
 OpenMP pool, which stalls while another process holds a core: 2 MiB slices then copied
 at under 1 GB/s on a 2-core machine.)
+
+A store checksums each row as it copies it, a cache-sized chunk at a time, so the
+checksum reads bytes the copy just left in L2 instead of reading the row from memory a
+second time: the copy is memory-bound and the hash then comes almost free.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from collections.abc import Sequence
 
 import numpy as np
 import torch
+import xxhash
 
 from distkv.handlers.base import CopyBackend, CopyTicket
 from distkv.handlers.layout import CopyPlan
@@ -31,37 +35,64 @@ def flat_bytes(tensor: torch.Tensor) -> torch.Tensor:
 class _Copies:
     """One segment's runs, copied when waited on."""
 
-    def __init__(self, kv: list[np.ndarray], pool: np.ndarray, runs: list[tuple[int, int, int, int]], to_pool: bool):
+    # Source and destination of a chunk stay well inside a core's L2 (1 MiB here).
+    CHUNK_BYTES = 256 << 10
+
+    def __init__(
+        self, kv: list[np.ndarray], pool: np.ndarray, slot_bytes: int, runs: list[tuple[int, int, int, int]], to_pool: bool
+    ):
         self._kv = kv
         self._pool = pool
+        self._slot_bytes = slot_bytes
         self._runs = runs
         self._to_pool = to_pool
 
-    def wait(self) -> None:
-        for tensor_idx, tensor_offset, pool_offset, nbytes in self._runs:
-            kv = self._kv[tensor_idx][tensor_offset : tensor_offset + nbytes]
-            pool = self._pool[pool_offset : pool_offset + nbytes]
-            if self._to_pool:
-                pool[:] = kv
-            else:
-                kv[:] = pool
-        self._runs = []
+    def wait(self) -> dict[int, tuple[int, int]] | None:
+        runs, self._runs = self._runs, []
+        if not self._to_pool:
+            for tensor_idx, tensor_offset, pool_offset, nbytes in runs:
+                self._kv[tensor_idx][tensor_offset : tensor_offset + nbytes] = self._pool[pool_offset : pool_offset + nbytes]
+            return None
+        return self._store(runs)
+
+    def _store(self, runs: list[tuple[int, int, int, int]]) -> dict[int, tuple[int, int]]:
+        """Copy runs into the pool, hashing every row that is written from its start
+        without gaps: {row: (bytes hashed, xxh3 of them)}."""
+        slot, chunk = self._slot_bytes, self.CHUNK_BYTES
+        hashed: dict[int, list] = {}  # row -> [bytes hashed so far, hasher]
+        for tensor_idx, tensor_offset, pool_offset, nbytes in runs:
+            kv = self._kv[tensor_idx]
+            end = pool_offset + nbytes
+            while pool_offset < end:
+                row, within = divmod(pool_offset, slot)
+                n = min(end - pool_offset, slot - within, chunk)
+                dst = self._pool[pool_offset : pool_offset + n]
+                dst[:] = kv[tensor_offset : tensor_offset + n]
+                state = hashed.get(row)
+                if state is None and within == 0:
+                    state = hashed[row] = [0, xxhash.xxh3_64()]
+                if state is not None and state[0] == within:
+                    state[1].update(memoryview(dst))
+                    state[0] += n
+                elif state is not None:
+                    del hashed[row]  # a gap: the seal hashes this row from the pool
+                pool_offset += n
+                tensor_offset += n
+        return {row: (done, hasher.intdigest()) for row, (done, hasher) in hashed.items()}
 
 
 class CpuCopyBackend(CopyBackend):
     """Copies between CPU KV tensors and the pool region of `rank`."""
 
-    # A store seals each segment right after copying it, so its segments stay about a
-    # core's L2 and the checksum re-reads cached bytes; a load only copies, so larger
-    # segments spend less per segment.
-    STORE_SEGMENT_BYTES = 2 << 20
-    LOAD_SEGMENT_BYTES = 32 << 20
+    # Large enough that per-segment work is small, small enough that a job's segments
+    # spread over the threads.
+    segment_bytes = 32 << 20
     segment_threads = min(os.cpu_count() or 1, 4)  # memory bandwidth is spent by then
 
-    def __init__(self, kv_tensors: Sequence[torch.Tensor], pool: HostPool, rank: int, segment_bytes: int):
+    def __init__(self, kv_tensors: Sequence[torch.Tensor], pool: HostPool, rank: int):
         if any(t.device.type != "cpu" for t in kv_tensors):
             raise ValueError("CpuCopyBackend needs KV tensors on the CPU")
-        self.segment_bytes = segment_bytes
+        self._slot_bytes = pool.layout.slot_bytes
         self._kv = [flat_bytes(t).numpy() for t in kv_tensors]
         self._pool = pool.payload[rank].reshape(-1)
 
@@ -70,7 +101,7 @@ class CpuCopyBackend(CopyBackend):
             zip(plan.tensor_idx.tolist(), plan.tensor_offset.tolist(), plan.pool_offset.tolist(), plan.nbytes.tolist())
         )
         bounds = plan.run_bounds.tolist()
-        return [_Copies(self._kv, self._pool, runs[lo:hi], to_pool) for lo, hi in zip(bounds, bounds[1:])]
+        return [_Copies(self._kv, self._pool, self._slot_bytes, runs[lo:hi], to_pool) for lo, hi in zip(bounds, bounds[1:])]
 
     def close(self) -> None:
         self._kv.clear()

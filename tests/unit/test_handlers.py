@@ -125,6 +125,8 @@ def round_trip(rig: Rig, ids, sizes, firsts, rows):
     for row, want in expected.items():
         got = rig.pool.payload[rig.rank, row]
         np.testing.assert_array_equal(got[written[row]], want[written[row]])
+    for row, key in zip(pool_spec.block_ids.tolist(), pool_spec.keys):
+        assert rig.pool.verify(rig.rank, row, key, 1), f"row {row}'s checksum does not match its payload"
 
     for t in rig.tensors:
         t.zero_()
@@ -216,6 +218,14 @@ def test_store_seals_headers_with_group_bytes(rigs):
         assert nbytes == group_bytes
 
 
+def test_store_checksums_rows_larger_than_its_copy_chunks(rigs):
+    # 3 rows of 2 refs x 2 sub-blocks of 200 KiB: runs cross rows and chunks, and the
+    # unaligned first block leaves a row written in part
+    page = 200 << 10
+    rig = rigs(caches(make_kv([16, 16], [page, page]), [[(0, page), (1, page)]]), 2, PoolLayout(8, 1, 4 * page))
+    round_trip(rig, np.arange(4, 9), [5], [1], np.array([5, 6, 7]))
+
+
 def test_load_of_a_replaced_row_fails_and_leaves_kv_alone(rigs):
     rig = rigs(caches(make_kv([32], [256]), [[(0, 256)]]), 1, PoolLayout(8, 1, PAGE_BYTES))
     gpu, pool_spec = specs([0, 1, 2], [3], [0], [0, 1, 2], gen=1)
@@ -262,9 +272,7 @@ def test_load_fails_when_a_row_changes_during_the_copy():
     assert run(store, 1, (gpu, pool_spec)).success
 
     layout = SlotLayout.from_kv_caches(kv_caches, 1)
-    backend = _ReplacingBackend(
-        tensors, pool, 0, CpuCopyBackend.LOAD_SEGMENT_BYTES, replace=lambda: pool.begin_write(0, np.array([2]))
-    )
+    backend = _ReplacingBackend(tensors, pool, 0, replace=lambda: pool.begin_write(0, np.array([2])))
     load = LoadHandler(layout, tensors, pool, 0, backend)
     try:
         assert not run(load, 2, (pool_spec, GPULoadStoreSpec([5], [1], [0]))).success
