@@ -25,15 +25,16 @@ import numpy as np
 from distkv.abstract import OffloadKey
 from distkv.directory import Holder, ReplicaInfo
 from distkv.metrics import MAX_OBSERVATIONS, ErrorLog
-from distkv.pool import HostPool, PoolLayout, checksum
+from distkv.pool import HostPool, PoolLayout, copy_checksum
 
 logger = logging.getLogger(__name__)
 
 # Per row, per rank: (nbytes, checksum) of a sealed slot; None for a row that did not
 # check out at the holder.
 SlotMeta = list[tuple[int, int]] | None
-# Per row, per rank: the slot's bytes (None for a row that did not check out), and its metas.
-RowsRead = tuple[list[list[np.ndarray] | None], list[SlotMeta]]
+# The rows' slots as one (ranks, rows, slot_bytes) array (None when none could be read),
+# and each row's metas: the bytes of a row whose meta is None are not to be used.
+RowsRead = tuple[np.ndarray | None, list[SlotMeta]]
 # fetch(holder's replica info, rows, keys, generations) -> future of RowsRead
 RemoteFetch = Callable[[ReplicaInfo, list[int], list[OffloadKey], list[int]], "Future[RowsRead]"]
 
@@ -42,42 +43,24 @@ def layout_of(info: ReplicaInfo) -> PoolLayout:
     return PoolLayout(info.num_rows, info.num_ranks, info.slot_bytes)
 
 
-def sealed_views(
-    pool: HostPool, rows: Sequence[int], keys: Sequence[OffloadKey], generations: Sequence[int]
-) -> RowsRead:
-    """Views of whole rows (every rank's slot) sealed as key@generation, with their metas.
+def read_rows(pool: HostPool, rows: Sequence[int], keys: Sequence[OffloadKey], generations: Sequence[int]) -> RowsRead:
+    """Whole rows (every rank's slot) sealed as key@generation, gathered into one array.
 
-    Views, not copies: whoever copies them out calls `recheck` afterwards, and the
-    reader checks its copy against the checksums.
+    What a holder serves. One gather, so that the object store takes one contiguous
+    array (its copy of many small arrays is several times slower). Safe against a
+    concurrent writer: a row rewritten while it was copied gets meta None, and the
+    reader checks its bytes against the checksums in any case.
     """
-    views: list[list[np.ndarray] | None] = []
+    ranks = range(pool.layout.num_ranks)
     metas: list[SlotMeta] = []
     for row, key, gen in zip(rows, keys, generations):
-        meta = [pool.sealed(rank, row, key, gen) for rank in range(pool.layout.num_ranks)]
-        if None in meta:
-            views.append(None)
-            metas.append(None)
-        else:
-            views.append([pool.payload[rank, row, :nbytes] for rank, (nbytes, _) in enumerate(meta)])
-            metas.append(meta)
-    return views, metas
-
-
-def recheck(
-    pool: HostPool, rows: Sequence[int], keys: Sequence[OffloadKey], generations: Sequence[int], metas: list[SlotMeta]
-) -> None:
-    """After copying sealed_views out: a row rewritten meanwhile no longer checks out."""
+        meta = [pool.sealed(rank, row, key, gen) for rank in ranks]
+        metas.append(None if None in meta else meta)
+    data = pool.payload[:, np.asarray(rows, dtype=np.int64)]
     for i, (row, key, gen) in enumerate(zip(rows, keys, generations)):
-        if metas[i] is not None and not all(pool.holds(r, row, key, gen) for r in range(pool.layout.num_ranks)):
+        if metas[i] is not None and not all(pool.holds(rank, row, key, gen) for rank in ranks):
             metas[i] = None
-
-
-def read_rows(pool: HostPool, rows: Sequence[int], keys: Sequence[OffloadKey], generations: Sequence[int]) -> RowsRead:
-    """Copies of whole rows sealed as key@generation: what a holder serves, in one process."""
-    views, metas = sealed_views(pool, rows, keys, generations)
-    copies = [None if row is None else [v.copy() for v in row] for row in views]
-    recheck(pool, rows, keys, generations, metas)
-    return copies, metas
+    return data, metas
 
 
 @dataclass
@@ -92,6 +75,11 @@ class Promotion:
 
 class Promoter:
     """Runs promotions on one background thread; the manager drains `finished()`."""
+
+    # A fetch from another node asks for at most this many bytes (one row at least), so
+    # that the holder's copy into the object store, the transfer and the checked copy
+    # here of successive fetches overlap instead of running one after the other.
+    FETCH_BYTES = 8 << 20
 
     def __init__(
         self,
@@ -183,7 +171,10 @@ class Promoter:
             if same_node:
                 self._copy_same_node(info, promotions)
                 continue
-            self._fetch(info, promotions)
+            row_bytes = info.num_ranks * info.slot_bytes
+            step = max(self.FETCH_BYTES // row_bytes, 1)
+            for i in range(0, len(promotions), step):
+                self._fetch(info, promotions[i : i + step])
 
     def _fetch(self, info: ReplicaInfo, promotions: list[Promotion]) -> None:
         held = [self._held_row(p, info) for p in promotions]
@@ -252,8 +243,8 @@ class Promoter:
                 continue
             for p in promotions:
                 i = index[p.key]
-                ok = metas[i] is not None and data[i] is not None and self._write_local(
-                    p, lambda rank, out, i=i: _copy_checked(data[i][rank], metas[i][rank], out)
+                ok = metas[i] is not None and self._write_local(
+                    p, lambda rank, out, i=i: _copy_checked(data[rank, i], metas[i][rank], out)
                 )
                 if ok:
                     self.bytes_cross_node += sum(n for n, _ in metas[i])
@@ -296,5 +287,4 @@ class Promoter:
 def _copy_checked(src: np.ndarray, meta: tuple[int, int], out: np.ndarray) -> tuple[int, int] | None:
     """Copy a slot received from another node; None if it does not match its checksum."""
     nbytes, expected = meta
-    out[:nbytes] = src[:nbytes]
-    return meta if checksum(out[:nbytes]) == expected else None
+    return meta if copy_checksum(out[:nbytes], src[:nbytes]) == expected else None

@@ -11,7 +11,7 @@ from distkv import metrics
 from distkv.abstract import OffloadKey
 from distkv.directory import ReplicaInfo
 from distkv.pool import HostPool, PoolLayout
-from distkv.promotion import RowsRead, SlotMeta, recheck, sealed_views
+from distkv.promotion import RowsRead, SlotMeta, read_rows
 
 RAY_NAMESPACE = "distkv"
 
@@ -20,10 +20,10 @@ RAY_NAMESPACE = "distkv"
 class NodeAgent:
     """Serves rows of a pool on this node to other nodes as one object in the object store.
 
-    The rows go from the pool straight into the object (one copy); the object is owned by
-    the agent, which outlives every read, and freed once the requester drops it. Rows
-    rewritten while they were copied are reported as not checking out, and the requester
-    checks every slot it receives against its checksum.
+    The rows are gathered out of the pool into one array, which goes into the object
+    store; the object is owned by the agent, which outlives every read, and freed once
+    the requester drops it. Rows rewritten while they were gathered are reported as not
+    checking out, and the requester checks every slot it receives against its checksum.
     """
 
     def __init__(self) -> None:
@@ -45,14 +45,11 @@ class NodeAgent:
             self._served.record(len(rows), None)
             return None, [None] * len(rows)
         try:
-            views, metas = sealed_views(pool, rows, keys, generations)
-            ref = ray.put(views)
-            del views  # the pool is unmapped below
-            recheck(pool, rows, keys, generations, metas)
+            data, metas = read_rows(pool, rows, keys, generations)
         finally:
             pool.close()
         self._served.record(len(rows), metas)
-        return [ref], metas
+        return [ray.put(data)], metas
 
     def node_id(self) -> str:
         return ray.get_runtime_context().get_node_id()
@@ -97,7 +94,7 @@ class AgentFetch:
                 rows_read.set_exception(e)
                 return
             if refs is None:
-                rows_read.set_result(([None] * len(metas), metas))
+                rows_read.set_result((None, metas))
                 return
             refs[0].future().add_done_callback(lambda data: fetched(data, metas))
 

@@ -3,8 +3,9 @@
 A handler plans each job on the caller's thread and hands its byte runs to a
 CopyBackend, then finishes jobs one after the other in submission order on threads of
 its own. The segments of a job are finished by a few threads at once: each waits for a
-segment's copies and a store then seals that segment's rows. A load re-checks the headers
-of the rows it read once every copy is done. A job is reported only once finished.
+segment's copies, then a store seals that segment's rows and a load checks them against
+their checksums. A load re-checks the headers of the rows it read once every copy is
+done. A job is reported only once finished.
 """
 
 from __future__ import annotations
@@ -263,7 +264,9 @@ class StoreHandler(PoolTransferHandler):
 
 
 class LoadHandler(PoolTransferHandler):
-    """Pool rows -> GPU blocks: every row must hold its key@generation before and after."""
+    """Pool rows -> GPU blocks: every row must hold its key@generation before and after
+    the copy, and the bytes copied must match its checksum (a row damaged in place
+    keeps its header)."""
 
     gpu_to_pool = False
 
@@ -277,6 +280,25 @@ class LoadHandler(PoolTransferHandler):
     def _before_copy(self, job_id: int, pool_spec: PoolLoadStoreSpec) -> bool:
         return self._fresh(job_id, pool_spec, "before")
 
+    def _after_segment(
+        self, plan: CopyPlan, pool_spec: PoolLoadStoreSpec, segment: int, hashed: Mapping[int, tuple[int, int]] | None
+    ) -> None:
+        lo, hi = plan.row_bounds[segment], plan.row_bounds[segment + 1]
+        damaged = []
+        for row, key, gen in zip(
+            pool_spec.block_ids[lo:hi].tolist(), pool_spec.keys[lo:hi], pool_spec.generations[lo:hi].tolist()
+        ):
+            sealed = self.pool.sealed(self.rank, row, key, gen)
+            read = None if hashed is None else hashed.get(row)
+            if sealed is not None and read is not None and read[0] == sealed[0]:
+                intact = read[1] == sealed[1]
+            else:  # the copy hashed none or part of it (a DMA copy, an unaligned first block)
+                intact = self.pool.verify(self.rank, row, key, gen)
+            if not intact:
+                damaged.append(row)
+        if damaged:
+            raise ValueError(f"pool rows {damaged[:8]} of rank {self.rank} do not match their checksums")
+
     def _after_copy(self, job_id: int, pool_spec: PoolLoadStoreSpec) -> bool:
         return self._fresh(job_id, pool_spec, "after")
 
@@ -289,4 +311,3 @@ class LoadHandler(PoolTransferHandler):
                 job_id, len(stale), self.rank, when, stale[:8],
             )
         return not stale
-

@@ -6,9 +6,10 @@ tensors: a plain memcpy that releases the GIL. (torch's copy_ hands every slice 
 OpenMP pool, which stalls while another process holds a core: 2 MiB slices then copied
 at under 1 GB/s on a 2-core machine.)
 
-A store checksums each row as it copies it, a cache-sized chunk at a time, so the
-checksum reads bytes the copy just left in L2 instead of reading the row from memory a
-second time: the copy is memory-bound and the hash then comes almost free.
+Both directions checksum each pool row as they copy it, a cache-sized chunk at a time,
+so the hash reads bytes the copy just left in L2 instead of reading the row from memory
+a second time: the copy is memory-bound and the hash then comes almost free. A store
+seals rows with these checksums; a load checks the rows it read against theirs.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import xxhash
 
 from distkv.handlers.base import CopyBackend, CopyTicket
 from distkv.handlers.layout import CopyPlan
-from distkv.pool import HostPool
+from distkv.pool import COPY_CHUNK_BYTES, HostPool
 
 
 def flat_bytes(tensor: torch.Tensor) -> torch.Tensor:
@@ -35,9 +36,6 @@ def flat_bytes(tensor: torch.Tensor) -> torch.Tensor:
 class _Copies:
     """One segment's runs, copied when waited on."""
 
-    # Source and destination of a chunk stay well inside a core's L2 (1 MiB here).
-    CHUNK_BYTES = 256 << 10
-
     def __init__(
         self, kv: list[np.ndarray], pool: np.ndarray, slot_bytes: int, runs: list[tuple[int, int, int, int]], to_pool: bool
     ):
@@ -47,18 +45,11 @@ class _Copies:
         self._runs = runs
         self._to_pool = to_pool
 
-    def wait(self) -> dict[int, tuple[int, int]] | None:
-        runs, self._runs = self._runs, []
-        if not self._to_pool:
-            for tensor_idx, tensor_offset, pool_offset, nbytes in runs:
-                self._kv[tensor_idx][tensor_offset : tensor_offset + nbytes] = self._pool[pool_offset : pool_offset + nbytes]
-            return None
-        return self._store(runs)
-
-    def _store(self, runs: list[tuple[int, int, int, int]]) -> dict[int, tuple[int, int]]:
-        """Copy runs into the pool, hashing every row that is written from its start
+    def wait(self) -> dict[int, tuple[int, int]]:
+        """Copy the runs, hashing the pool side of every row they cover from its start
         without gaps: {row: (bytes hashed, xxh3 of them)}."""
-        slot, chunk = self._slot_bytes, self.CHUNK_BYTES
+        runs, self._runs = self._runs, []
+        slot, chunk, to_pool = self._slot_bytes, COPY_CHUNK_BYTES, self._to_pool
         hashed: dict[int, list] = {}  # row -> [bytes hashed so far, hasher]
         for tensor_idx, tensor_offset, pool_offset, nbytes in runs:
             kv = self._kv[tensor_idx]
@@ -66,16 +57,19 @@ class _Copies:
             while pool_offset < end:
                 row, within = divmod(pool_offset, slot)
                 n = min(end - pool_offset, slot - within, chunk)
-                dst = self._pool[pool_offset : pool_offset + n]
-                dst[:] = kv[tensor_offset : tensor_offset + n]
+                pool = self._pool[pool_offset : pool_offset + n]
+                if to_pool:
+                    pool[:] = kv[tensor_offset : tensor_offset + n]
+                else:
+                    kv[tensor_offset : tensor_offset + n] = pool
                 state = hashed.get(row)
                 if state is None and within == 0:
                     state = hashed[row] = [0, xxhash.xxh3_64()]
                 if state is not None and state[0] == within:
-                    state[1].update(memoryview(dst))
+                    state[1].update(memoryview(pool))
                     state[0] += n
                 elif state is not None:
-                    del hashed[row]  # a gap: the seal hashes this row from the pool
+                    del hashed[row]  # a gap: this row is hashed apart
                 pool_offset += n
                 tensor_offset += n
         return {row: (done, hasher.intdigest()) for row, (done, hasher) in hashed.items()}

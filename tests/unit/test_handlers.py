@@ -226,6 +226,21 @@ def test_store_checksums_rows_larger_than_its_copy_chunks(rigs):
     round_trip(rig, np.arange(4, 9), [5], [1], np.array([5, 6, 7]))
 
 
+@pytest.mark.parametrize("first", [0, 1], ids=["whole-rows", "unaligned-first-block"])
+def test_load_of_a_row_damaged_in_place_fails(rigs, first):
+    # the header still names the block: only the checksum can tell
+    rig = rigs(caches(make_kv([16], [4096]), [[(0, 4096)]]), 2, PoolLayout(8, 1, PAGE_BYTES * 2))
+    gpu, pool_spec = specs([2, 3, 4, 5], [4], [0], [3, 4], gen=1)
+    assert run(rig.store, 1, (gpu, pool_spec)).success
+    load_gpu = GPULoadStoreSpec([9, 10, 11, 12][first:], [4 - first], [first])
+    assert run(rig.load, 2, (pool_spec, load_gpu)).success
+    rig.pool.payload[0, 4, 100] ^= 0xFF
+    assert not run(rig.load, 3, (pool_spec, load_gpu)).success
+    rig.pool.payload[0, 4, 100] ^= 0xFF
+    rig.pool.payload[0, 3, 4096 * 2 - 1] ^= 0x01
+    assert not run(rig.load, 4, (pool_spec, load_gpu)).success
+
+
 def test_load_of_a_replaced_row_fails_and_leaves_kv_alone(rigs):
     rig = rigs(caches(make_kv([32], [256]), [[(0, 256)]]), 1, PoolLayout(8, 1, PAGE_BYTES))
     gpu, pool_spec = specs([0, 1, 2], [3], [0], [0, 1, 2], gen=1)

@@ -13,7 +13,10 @@ from distkv.pool import (
     MAX_KEY_BYTES,
     PAGE_BYTES,
     HostPool,
+    COPY_CHUNK_BYTES,
     PoolLayout,
+    checksum,
+    copy_checksum,
     pin_ranges,
     reclaim_stale_segments,
     segment_name,
@@ -61,6 +64,14 @@ def test_sealed_slot_verifies_and_reads_back(pool):
     assert (out == 0x5A).all()
     # the other rank's slot of the same row is untouched
     assert not pool.verify(0, 3, KEY_A, 7)
+
+
+@pytest.mark.parametrize("nbytes", [0, 1, COPY_CHUNK_BYTES, 3 * COPY_CHUNK_BYTES + 17])
+def test_copy_checksum_copies_and_hashes_what_it_copied(nbytes):
+    src = np.random.default_rng(nbytes).integers(0, 256, nbytes, dtype=np.uint8)
+    out = np.zeros(nbytes, np.uint8)
+    assert copy_checksum(out, src) == checksum(src)
+    np.testing.assert_array_equal(out, src)
 
 
 def test_header_catches_changed_generation_and_key(pool):
