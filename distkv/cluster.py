@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Collection, Iterable
 
@@ -18,6 +19,8 @@ from distkv.directory import DirectoryLink
 from distkv.manager import LocalOffloadingManager, check_keys, key_problem
 from distkv.metrics import ErrorLog, merge_errors
 from distkv.promotion import Promoter, Promotion
+
+logger = logging.getLogger(__name__)
 
 # Failed promotions remembered (so that lookups answer a miss, not a new try) at most.
 MAX_FAILED_KEYS = 1 << 16
@@ -155,6 +158,15 @@ class ClusterOffloadingManager(OffloadingManager):
         yield from events
 
     def reset_cache(self) -> None:
+        # A promotion fills its reserved row from the Promoter's thread: let the running
+        # ones end (each does within promotion_timeout_s) before the reset frees rows that
+        # new stores may then reuse.
+        deadline = time.monotonic() + self.promotion_timeout_s + 1.0
+        while self._promoting and time.monotonic() < deadline:
+            time.sleep(0.001)
+            self._apply_promotions()
+        if self._promoting:
+            logger.warning("distkv: resetting with %d promotions still running", len(self._promoting))
         self.local.reset_cache()
         self._failed.clear()
         self._promoted.clear()

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from collections.abc import Collection, Iterable
 from typing import Any
 
@@ -219,16 +218,8 @@ class DistkvOffloadingManager(OffloadingManager):
         return stats
 
     def reset_cache(self) -> None:
-        # A promotion fills its reserved row from the Promoter's thread: let the running
-        # ones end (each does within promotion_timeout_s) before the reset frees rows that
-        # new stores may then reuse.
-        deadline = time.monotonic() + self.cluster.promotion_timeout_s + 1.0
-        while self.cluster.promotions_in_flight and time.monotonic() < deadline:
-            time.sleep(0.001)
-            self._collect_events()
-        if self.cluster.promotions_in_flight:
-            logger.warning("distkv: resetting with %d promotions still running", self.cluster.promotions_in_flight)
-        self.cluster.reset_cache()
+        self.cluster.reset_cache()  # waits for the promotions in flight
+        self._collect_events()
 
     def shutdown(self) -> None:
         self.cluster.shutdown()

@@ -6,6 +6,7 @@ store policies, events) are tested in one process. tests/ray and tests/multinode
 the same flows through the real actors.
 """
 
+import threading
 import time
 import uuid
 from concurrent.futures import Future
@@ -53,9 +54,7 @@ class PoolFetch:
             finally:
                 pool.close()
             if self.corrupt:
-                for slots in data:
-                    if slots is not None:
-                        slots[0][0] ^= 0xFF
+                data[:, :, 0] ^= 0xFF  # the first byte of every slot
             future.set_result((data, metas))
         self.pending.clear()
 
@@ -171,6 +170,31 @@ def test_corruption_in_transit_is_a_miss(replicas):
     a.serve(tokens)
     result = b.serve(tokens)
     assert result.hit_blocks == 0 and result.mismatches == 0 and result.retries >= 1
+    promoter = b.manager.promoter
+    assert promoter.succeeded["cross_node"] == 0 and promoter.failed["cross_node"] >= 1
+
+
+def test_reset_cache_waits_for_promotions_in_flight(replicas):
+    # a promotion writes into its reserved row: the reset must not free that row under it
+    directory = FakeDirectory()
+    fetch = PoolFetch(hold=True)
+    a = replicas(directory, "node-1")
+    b = replicas(directory, "node-2", fetch=fetch)
+    tokens = prompt(6, blocks=4)
+    a.serve(tokens)
+    key = block_keys(tokens, BLOCK_TOKENS)[0]
+    assert b.manager.lookup(key, ReqContext("probe")) is None
+    deadline = time.monotonic() + 5
+    while not fetch.pending:
+        assert time.monotonic() < deadline
+        time.sleep(0.001)
+    releaser = threading.Timer(0.3, fetch.release)
+    releaser.start()
+    start = time.monotonic()
+    b.manager.reset_cache()
+    assert time.monotonic() - start >= 0.25
+    assert b.manager.promotions_in_flight == 0
+    assert b.manager.local.num_free_rows == b.manager.local.num_rows
 
 
 def test_promotion_that_never_answers_times_out_into_a_miss(replicas):
