@@ -142,7 +142,11 @@ class BlockIDsLoadStoreSpec(LoadStoreSpec, ABC):
     """Spec for loading/storing KV blocks given by block numbers."""
 
     def __init__(self, block_ids: Sequence[int] | np.ndarray):
-        self.block_ids = np.array(block_ids, dtype=np.int64)
+        ids = np.asarray(block_ids)
+        # no silent cast: a float, a string, a bool or an int past int64 is no block id
+        if ids.size and (ids.dtype.kind not in "iu" or (ids.dtype.kind == "u" and ids.max() > np.iinfo(np.int64).max)):
+            raise ValueError(f"block ids {block_ids!r} must be integers")
+        self.block_ids = ids.astype(np.int64)
 
     def __repr__(self) -> str:
         return repr(self.block_ids)
@@ -244,6 +248,9 @@ class OffloadingSpec(ABC):
         )
         if not self.gpu_block_size:
             raise ValueError("OffloadingSpec needs at least one KV cache group")
+        for block_size in self.gpu_block_size:
+            if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+                raise ValueError(f"KV cache group block size {block_size!r} must be a positive int")
 
         # The granularity of the scheduler's block hashes: vLLM's prefix_match_unit if set,
         # else the GCD of the groups' block sizes (the block size itself for one group).
@@ -260,7 +267,11 @@ class OffloadingSpec(ABC):
         self.block_size_factor: int = 1
         offloaded_block_size = self.extra_config.get("block_size")
         if offloaded_block_size is not None:
-            offloaded = int(offloaded_block_size)
+            if isinstance(offloaded_block_size, bool) or not isinstance(offloaded_block_size, int):
+                raise ValueError(
+                    f"kv_connector_extra_config 'block_size'={offloaded_block_size!r} must be a whole number of tokens"
+                )
+            offloaded = offloaded_block_size
             sizes = set(self.gpu_block_size)
             if len(sizes) != 1:
                 raise ValueError(

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
@@ -41,7 +42,7 @@ class DistkvConfig:
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any]) -> "DistkvConfig":
         known = {f.name for f in fields(cls)}
-        unknown = sorted(set(extra) - known - _CONNECTOR_KEYS)
+        unknown = sorted(set(extra) - known - _CONNECTOR_KEYS, key=repr)
         if unknown:
             raise ValueError(
                 f"unknown kv_connector_extra_config key(s) {unknown}; distkv reads {sorted(known)}"
@@ -49,7 +50,7 @@ class DistkvConfig:
         values = {k: extra[k] for k in known if k in extra}
         if "cpu_bytes_to_use" in values:
             v = values["cpu_bytes_to_use"]
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0 or int(v) != v:
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0 or int(v) != v:
                 raise ValueError(
                     f"kv_connector_extra_config 'cpu_bytes_to_use'={v!r} must be a positive "
                     "whole number of bytes"
@@ -61,7 +62,7 @@ class DistkvConfig:
                 f"must be one of {list(POLICIES)}"
             )
         for key in ("tenant_salt", "ray_address"):
-            if values.get(key) is not None and not isinstance(values[key], str):
+            if key in values and not isinstance(values[key], str) and not (key == "ray_address" and values[key] is None):
                 raise ValueError(f"kv_connector_extra_config {key!r}={values[key]!r} must be a string")
         if "store_policy" in values and values["store_policy"] not in STORE_POLICIES:
             raise ValueError(

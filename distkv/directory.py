@@ -25,7 +25,7 @@ from typing import Any, NamedTuple
 from distkv.abstract import OffloadKey
 from distkv.manager import MIN_KEY_BYTES, check_keys, key_problem
 from distkv.metrics import MAX_OBSERVATIONS, ErrorLog
-from distkv.pool import MAX_KEY_BYTES
+from distkv.pool import MAX_KEY_BYTES, SEGMENT_PREFIX, segment_name
 
 logger = logging.getLogger(__name__)
 
@@ -106,6 +106,27 @@ def unpack(data: bytes) -> Any:
     return pickle.loads(data)
 
 
+def check_namespace(serves: str, namespace: object, who: str) -> None:
+    """Refuse a call made for cache namespace `namespace` to `who`, which serves `serves`.
+
+    None (a caller that does not say) passes; a call naming another namespace is a
+    ValueError, so that a replica never reads or writes another namespace's blocks.
+    """
+    if namespace is not None and namespace != serves:
+        raise ValueError(f"{who} serves cache namespace {serves!r} and refuses a call for namespace {namespace!r}")
+
+
+def check_pool_namespace(pool_name: object, namespace: object) -> None:
+    """Raise ValueError unless `pool_name` is a pool segment name of cache namespace `namespace`."""
+    if not isinstance(pool_name, str) or not pool_name.startswith(SEGMENT_PREFIX):
+        raise ValueError(f"{pool_name!r} is not a distkv pool segment name")
+    ns, _, replica = pool_name[len(SEGMENT_PREFIX):].partition("-")
+    if segment_name(ns, replica) != pool_name:  # segment_name names a bad namespace or replica
+        raise ValueError(f"{pool_name!r} is not a distkv pool segment name")
+    if namespace is not None and ns != namespace:
+        raise ValueError(f"pool {pool_name!r} belongs to cache namespace {ns!r}, not to {namespace!r}")
+
+
 def shard_of(key: OffloadKey, num_shards: int) -> int:
     """The shard of `key` among `num_shards`. Keys start with a hash, so its leading bytes spread evenly."""
     return int.from_bytes(key[:8], "big") % num_shards
@@ -114,12 +135,24 @@ def shard_of(key: OffloadKey, num_shards: int) -> int:
 def check_stored(entries: Iterable[object], num_rows: int) -> None:
     """Raise ValueError naming the first entry that is not a (key, row, generation) of a pool of `num_rows`."""
     for entry in entries:
+        # one test for the common case: this runs per block the replica stores
+        if (
+            type(entry) is tuple
+            and len(entry) == 3
+            and type(entry[0]) is bytes
+            and MIN_KEY_BYTES <= len(entry[0]) <= MAX_KEY_BYTES
+            and type(entry[1]) is int
+            and 0 <= entry[1] < num_rows
+            and type(entry[2]) is int
+        ):
+            continue
         try:
             key, row, generation = entry
         except (TypeError, ValueError):
             raise ValueError(f"stored entry {entry!r} is not a (key, row, generation) triple") from None
-        if type(key) is not bytes or not MIN_KEY_BYTES <= len(key) <= MAX_KEY_BYTES:
-            raise ValueError(key_problem(key))
+        problem = key_problem(key)
+        if problem is not None:
+            raise ValueError(problem)
         if not isinstance(row, int) or not 0 <= row < num_rows:
             raise ValueError(f"stored entry {entry!r}: row {row!r} is not an int in 0..{num_rows - 1}")
         if not isinstance(generation, int):
@@ -524,14 +557,16 @@ class DirectoryLink:
         entries = tuple(entries)
         check_stored(entries, self.info.num_rows)
         self._inbox.append((True, entries))
-        self._wake.set()
+        if not self._wake.is_set():  # set() takes a lock even when already set
+            self._wake.set()
 
     def removed(self, keys: Sequence[OffloadKey]) -> None:
         """Queue keys this replica no longer holds. Never blocks."""
         keys = tuple(keys)
         check_keys(keys)
         self._inbox.append((False, keys))
-        self._wake.set()
+        if not self._wake.is_set():
+            self._wake.set()
 
     @property
     def view(self) -> Mapping[OffloadKey, tuple[Holder, ...]]:
@@ -564,7 +599,7 @@ class DirectoryLink:
         for i, key in enumerate(keys):
             by_shard[shard_of(key, self.num_shards)].append(i)
         refs = {
-            shard: self._shards[shard].actor.query.remote([keys[i] for i in indices])
+            shard: self._shards[shard].actor.query.remote([keys[i] for i in indices], namespace=self.namespace)
             for shard, indices in by_shard.items()
         }
         answers = dict(zip(refs, map(unpack, ray.get(list(refs.values()), timeout=timeout_s))))
@@ -625,7 +660,9 @@ class DirectoryLink:
         if shard.polling is None:
             if now >= shard.poll_at:
                 try:
-                    shard.polling = _Call(shard.actor.changes.remote(shard.view.cursor, POLL_TIMEOUT_S), self._wake.set)
+                    shard.polling = _Call(
+                        shard.actor.changes.remote(shard.view.cursor, POLL_TIMEOUT_S, namespace=self.namespace), self._wake.set
+                    )
                 except Exception as e:
                     self._poll_failed(shard, now, e)
             if shard.polling is None:
@@ -673,9 +710,11 @@ class DirectoryLink:
         shard.last_sent = now
         try:
             if method == "register":
-                ref = shard.actor.register.remote(self.info, seq, pack(stored))
+                ref = shard.actor.register.remote(self.info, seq, pack(stored), namespace=self.namespace)
             else:
-                ref = shard.actor.publish.remote(self.info.replica_id, seq, pack((stored, removed)), self._report(shard, now))
+                ref = shard.actor.publish.remote(
+                    self.info.replica_id, seq, pack((stored, removed)), self._report(shard, now), namespace=self.namespace
+                )
             shard.publishing = _Call(ref, self._wake.set, (method, batch))
         except Exception as e:
             self._publish_failed(shard, method, batch, e, now)
@@ -757,7 +796,7 @@ class DirectoryLink:
                 except Exception:
                     pass
             try:
-                futures.append(shard.actor.unregister.remote(self.info.replica_id).future())
+                futures.append(shard.actor.unregister.remote(self.info.replica_id, namespace=self.namespace).future())
             except Exception:
                 pass
         concurrent.futures.wait(futures, timeout=CLOSE_TIMEOUT_S / 2)

@@ -34,9 +34,11 @@ def key_problem(key: object) -> str | None:
 def check_keys(keys: Iterable[object]) -> None:
     """Raise ValueError naming the first key of `keys` that is not a valid OffloadKey."""
     for key in keys:
-        problem = key_problem(key)
-        if problem is not None:
-            raise ValueError(problem)
+        # the common case inline: this runs per key on the scheduler's batch calls
+        if type(key) is not bytes or not MIN_KEY_BYTES <= len(key) <= MAX_KEY_BYTES:
+            problem = key_problem(key)
+            if problem is not None:
+                raise ValueError(problem)
 
 
 class _Block:
@@ -270,6 +272,8 @@ class LocalOffloadingManager(OffloadingManager):
                 block = blocks.get(key)
                 if block is not None and block.refs < 0:
                     landed.append((key, block))
+                elif block is None and key_problem(key) is not None:
+                    raise ValueError(f"complete_store: {key_problem(key)}")
         except TypeError:
             check_keys(keys)
             raise

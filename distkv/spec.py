@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -23,6 +22,16 @@ def _attr(obj: Any, path: str, default: Any = None) -> Any:
         if obj is None:
             return default
     return obj
+
+
+def replica_name(engine_id: str) -> str:
+    """The engine id as the replica part of a pool's name, one to one: letters, digits and
+    '_' stay, any other character becomes '.' and two hex digits per UTF-8 byte, so that
+    two engines never share a pool (replacing them with '_' made "a-b" and "a_b" one)."""
+    return "".join(
+        c if c.isascii() and (c.isalnum() or c == "_") else "".join(f".{b:02x}" for b in c.encode())
+        for c in engine_id
+    )
 
 
 @dataclass(frozen=True)
@@ -53,7 +62,7 @@ class ReplicaPlan:
         config = DistkvConfig.from_extra_config(extra_config)
         layout = PoolLayout.for_capacity(config.cpu_bytes_to_use, num_ranks, block_bytes_per_rank)
         namespace = cache_namespace(kv_identity, config.tenant_salt)
-        replica_id = re.sub(r"[^A-Za-z0-9_.]", "_", engine_id)
+        replica_id = replica_name(engine_id)
         return cls(config, layout, namespace, replica_id, segment_name(namespace, replica_id))
 
 
@@ -80,7 +89,7 @@ def join_cluster(plan: ReplicaPlan, pool: HostPool, local: LocalOffloadingManage
     info = ReplicaInfo(plan.replica_id, node_id, plan.pool_name, layout.num_rows, layout.num_ranks, layout.slot_bytes)
     link = DirectoryLink(plan.namespace, info, config.directory_shards)
     link.start()
-    promoter = Promoter(pool, node_id, link.replica, AgentFetch())
+    promoter = Promoter(pool, node_id, link.replica, AgentFetch(plan.namespace))
     manager = ClusterOffloadingManager(
         local,
         link,

@@ -18,7 +18,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from distkv import metrics
 from distkv.abstract import OffloadKey
-from distkv.directory import Cursor, DirectoryState, ReplicaInfo, check_stored, pack, unpack
+from distkv.directory import Cursor, DirectoryState, ReplicaInfo, check_namespace, check_stored, pack, unpack
 
 logger = logging.getLogger(__name__)
 
@@ -47,8 +47,12 @@ class DirectoryShard:
         # Ray runs an async actor's __init__ on its event loop.
         self._watcher = asyncio.get_running_loop().create_task(self._watch())
 
-    async def register(self, info: ReplicaInfo, seq: int, stored: bytes) -> tuple[str, bool]:
-        """Register a replica afresh and publish everything it holds (packed entries), as one change."""
+    async def register(self, info: ReplicaInfo, seq: int, stored: bytes, namespace: str | None = None) -> tuple[str, bool]:
+        """Register a replica afresh and publish everything it holds (packed entries), as one change.
+
+        Every call that changes or reads holders refuses another cache `namespace` (ValueError).
+        """
+        self._check(namespace)
         stored = unpack(stored)
         if isinstance(info, ReplicaInfo):  # else register says what is wrong
             check_stored(stored, info.num_rows)
@@ -59,12 +63,13 @@ class DirectoryShard:
         return self._state.epoch, True
 
     async def publish(
-        self, replica_id: str, seq: int, changes: bytes, report: dict | None = None
+        self, replica_id: str, seq: int, changes: bytes, report: dict | None = None, namespace: str | None = None
     ) -> tuple[str, bool]:
         """Apply a packed (stored, removed); (epoch, whether the replica is registered).
 
         See `DirectoryState.publish`. `report`: the replica's latest stats, if sent along.
         """
+        self._check(namespace)
         stored, removed = unpack(changes)
         before = self._state.cursor()
         known = self._state.publish(replica_id, seq, stored, removed)
@@ -73,18 +78,21 @@ class DirectoryShard:
         self._notify(before)
         return self._state.epoch, known
 
-    async def unregister(self, replica_id: str) -> bool:
+    async def unregister(self, replica_id: str, namespace: str | None = None) -> bool:
+        self._check(namespace)
         before = self._state.cursor()
         known = self._state.unregister(replica_id)
         self._notify(before)
         return known
 
-    async def query(self, keys: Sequence[OffloadKey]) -> bytes:
+    async def query(self, keys: Sequence[OffloadKey], namespace: str | None = None) -> bytes:
         """The packed holders of each key; see `DirectoryState.query`."""
+        self._check(namespace)
         return pack(self._state.query(keys))
 
-    async def changes(self, cursor: Cursor | None, timeout_s: float) -> bytes:
+    async def changes(self, cursor: Cursor | None, timeout_s: float, namespace: str | None = None) -> bytes:
         """The packed changes after `cursor`, waiting up to `timeout_s` for one when there are none yet."""
+        self._check(namespace)
         if cursor == self._state.cursor():
             try:
                 await asyncio.wait_for(self._changed.wait(), timeout_s)
@@ -104,6 +112,9 @@ class DirectoryShard:
     async def replicas(self) -> list[dict]:
         """The registered replicas with their latest reports; see `DirectoryState.replicas`."""
         return self._state.replicas()
+
+    def _check(self, namespace: str | None) -> None:
+        check_namespace(self._namespace, namespace, f"directory shard {shard_name(self._namespace, self._shard)}")
 
     def _notify(self, before: Cursor) -> None:
         if self._state.cursor() != before:

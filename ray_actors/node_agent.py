@@ -9,7 +9,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from distkv import metrics
 from distkv.abstract import OffloadKey
-from distkv.directory import ReplicaInfo
+from distkv.directory import ReplicaInfo, check_pool_namespace
 from distkv.pool import HostPool, PoolLayout
 from distkv.promotion import RowsRead, SlotMeta, read_rows
 
@@ -37,8 +37,13 @@ class NodeAgent:
         rows: list[int],
         keys: list[OffloadKey],
         generations: list[int],
+        namespace: str | None = None,
     ) -> tuple[list[ray.ObjectRef] | None, list[SlotMeta]]:
-        """([ref of the rows' slot bytes], metas); the ref is nested so the reply does not carry the bytes."""
+        """([ref of the rows' slot bytes], metas); the ref is nested so the reply does not carry the bytes.
+
+        Refuses (ValueError) a pool that is not a distkv segment of cache `namespace`.
+        """
+        check_pool_namespace(pool_name, namespace)
         try:
             pool = HostPool(pool_name, PoolLayout(*layout), create=False)
         except (FileNotFoundError, ValueError):
@@ -74,7 +79,8 @@ def start_node_agent(node_id: str) -> ray.actor.ActorHandle:
 class AgentFetch:
     """The Promoter's remote reads: a call to the holder node's NodeAgent."""
 
-    def __init__(self) -> None:
+    def __init__(self, namespace: str) -> None:
+        self._namespace = namespace
         self._agents: dict[str, ray.actor.ActorHandle] = {}
 
     def __call__(self, info: ReplicaInfo, rows: list[int], keys: list[OffloadKey], generations: list[int]) -> "Future[RowsRead]":
@@ -83,7 +89,8 @@ class AgentFetch:
             agent = ray.get_actor(agent_name(info.node_id), namespace=RAY_NAMESPACE)
             self._agents[info.node_id] = agent
         reply = agent.read_rows.remote(
-            info.pool_name, (info.num_rows, info.num_ranks, info.slot_bytes), rows, keys, generations
+            info.pool_name, (info.num_rows, info.num_ranks, info.slot_bytes), rows, keys, generations,
+            namespace=self._namespace,
         ).future()
         rows_read: Future[RowsRead] = Future()
 

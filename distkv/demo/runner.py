@@ -133,6 +133,19 @@ def run(args: argparse.Namespace) -> int:
     return 1 if summary["mismatches"] else 0
 
 
+def token_auth_on() -> None:
+    """Token authentication for a cluster started by this process, as `ray.init()` turns it
+    on for a local one: ray.cluster_utils.Cluster starts its processes without it. An
+    explicit RAY_AUTH_MODE is respected."""
+    from ray._private.authentication.authentication_token_setup import (
+        enable_token_auth_by_default,
+        ensure_token_if_auth_enabled,
+    )
+
+    if enable_token_auth_by_default():
+        ensure_token_if_auth_enabled(None, create_token_if_missing=True)
+
+
 def _dashboard_port(usual: int = 8265) -> int:
     """Ray's usual dashboard port if it is free (another Ray may hold it), else a free one."""
     for port in (usual, 0):
@@ -181,6 +194,7 @@ class Demo:
             from ray.cluster_utils import Cluster
 
             cpus = max(1, (os.cpu_count() or 1) // self.args.nodes)
+            token_auth_on()
             self.cluster = Cluster(
                 initialize_head=True,
                 head_node_args={
