@@ -1,6 +1,6 @@
 """Promotion of 64 x 2 MiB blocks between two simulated nodes, against a raw ray.get of 128 MiB.
 
-    python bench/promote.py [--runs N]
+    python bench/promote.py [--runs N] [--json PATH]
 
 A `ray.cluster_utils.Cluster` with a head node (the Directory) and nodes A and B, one
 replica actor on each (a harness Replica over RayOffloadingSpec). A stores a 64-block
@@ -18,6 +18,7 @@ throughput >= 0.7 of the baseline's.
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 import time
@@ -103,6 +104,7 @@ class BenchReplica:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument("--json", type=Path, help="also write the figures here")
     args = parser.parse_args()
 
     store = 640 * MiB
@@ -156,6 +158,8 @@ def main() -> None:
         print(f"promotion (first lookup -> all {BLOCKS} True)  {promote_gbs:6.2f} GB/s  ({statistics.median(promote_s) * 1e3:.0f} ms)")
         print(f"raw ray.get of one {nbytes // MiB} MiB object     {raw_gbs:6.2f} GB/s  ({statistics.median(raw_s) * 1e3:.0f} ms)")
         print(f"ratio {ratio:.2f}  target >= {TARGET}  {'ok' if ratio >= TARGET else 'MISSED'}")
+        if args.json:
+            args.json.write_text(json.dumps({"promote_gbps": promote_gbs, "baseline_gbps": raw_gbs, "ratio": ratio}, indent=2))
     finally:
         if actors:
             ray.get([actor.shutdown.remote() for actor in actors])

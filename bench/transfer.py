@@ -1,6 +1,6 @@
 """Throughput of the transfer handlers against a contiguous copy of the same bytes.
 
-    python bench/transfer.py [--device cpu|cuda]
+    python bench/transfer.py [--device cpu|cuda] [--json PATH]
 
 Blocks of --block-mib scattered (a random permutation) over a KV tensor of --gib are
 stored to a pool through the store handler (sealed), then loaded back through the load
@@ -11,6 +11,7 @@ torch on cpu, cudaMemcpy against the same pinned pool region on cuda.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 import uuid
@@ -79,6 +80,7 @@ def main() -> None:
     parser.add_argument("--gib", type=float, default=1.0, help="size of the KV tensor")
     parser.add_argument("--block-mib", type=int, default=2, help="size of a block")
     parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--json", type=Path, help="also write the figures here")
     args = parser.parse_args()
 
     block_bytes = args.block_mib << 20
@@ -137,6 +139,16 @@ def main() -> None:
         f"  store+load{'':16} {round_trip:7.2f} GB/s   {baseline} both  {copies:7.2f} GB/s   "
         f"ratio {round_trip / copies:.2f}  (target >= 0.8)"
     )
+    if args.json:
+        figures = {
+            "store_gbps": gbps("store"),
+            "load_gbps": gbps("load"),
+            "both_gbps": round_trip,
+            "baseline_store_gbps": gbps("d2h"),
+            "baseline_load_gbps": gbps("h2d"),
+            "baseline_both_gbps": copies,
+        }
+        args.json.write_text(json.dumps(figures, indent=2))
 
 
 if __name__ == "__main__":

@@ -155,7 +155,7 @@ class ClusterOffloadingManager(OffloadingManager):
         if self.promoter.has_finished():
             self._apply_promotions()
         events, self._events = self._events, []
-        yield from events
+        return events
 
     def reset_cache(self) -> None:
         # A promotion fills its reserved row from the Promoter's thread: let the running
@@ -282,9 +282,10 @@ class ClusterOffloadingManager(OffloadingManager):
                 for key in event.keys:
                     self._promoted.pop(key, None)
             else:
+                local_block = self._local_block
                 entries = []
                 for key in event.keys:
-                    block = self.local.block(key)
-                    if block is not None:
-                        entries.append((key, block[0], block[1]))
+                    block = local_block(key)
+                    if block is not None and block.refs >= 0:
+                        entries.append((key, block.row, block.generation))
                 self.link.stored(entries)

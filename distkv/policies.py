@@ -105,6 +105,9 @@ class LRUPolicy(CachePolicy):
         self._order.clear()
 
 
+_ABSENT = object()
+
+
 class ARCPolicy(CachePolicy):
     """Adaptive Replacement Cache (Megiddo & Modha, FAST 2003).
 
@@ -150,12 +153,12 @@ class ARCPolicy(CachePolicy):
 
     def touch(self, keys: Sequence[OffloadKey]) -> None:
         t1, t2 = self._t1, self._t2
+        # T2 first: the keys a request touches are mostly prefix hits, used before
         for key in reversed(keys):
-            if key in t1:
-                del t1[key]
-                t2[key] = None
-            elif key in t2:
+            if key in t2:
                 t2.move_to_end(key)
+            elif t1.pop(key, _ABSENT) is not _ABSENT:
+                t2[key] = None
 
     def remove(self, key: OffloadKey) -> None:
         if key in self._t1:
