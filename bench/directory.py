@@ -35,13 +35,13 @@ BATCHES_PER_LANE = 64
 class NoOp:
     """Takes the Directory's calls and does nothing."""
 
-    async def register(self, info, seq, stored):
+    async def register(self, info, seq, stored, namespace):
         return "", True
 
-    async def publish(self, replica_id, seq, changes):
+    async def publish(self, replica_id, seq, changes, report, namespace):
         return "", True
 
-    async def query(self, keys):
+    async def query(self, keys, namespace):
         return pack([()] * len(keys))
 
 
@@ -52,8 +52,9 @@ def make_keys(n: int) -> list[bytes]:
 class Lane:
     """One replica sending rounds of publish(1k keys) then query(those keys) to one actor."""
 
-    def __init__(self, actor, info: ReplicaInfo, batches: list[list[bytes]]) -> None:
+    def __init__(self, actor, info: ReplicaInfo, batches: list[list[bytes]], namespace: str) -> None:
         self.actor = actor
+        self.namespace = namespace
         self.info = info
         self.batches = batches
         self.seq = 0
@@ -65,11 +66,11 @@ class Lane:
         if self.round % 2:
             self.seq += 1
             changes = pack(([(k, i, self.seq) for i, k in enumerate(batch)], []))
-            return self.actor.publish.remote(self.info.replica_id, self.seq, changes)
-        return self.actor.query.remote(batch)
+            return self.actor.publish.remote(self.info.replica_id, self.seq, changes, None, namespace=self.namespace)
+        return self.actor.query.remote(batch, namespace=self.namespace)
 
 
-def throughput(actors: list, keys_of: list[list[bytes]], seconds: float) -> float:
+def throughput(actors: list, keys_of: list[list[bytes]], seconds: float, namespace: str) -> float:
     """Keys per second through publish+query rounds, LANES_PER_SHARD lanes per actor."""
     node = head_node_id()
     lanes = []
@@ -77,8 +78,8 @@ def throughput(actors: list, keys_of: list[list[bytes]], seconds: float) -> floa
         for j in range(LANES_PER_SHARD):
             info = ReplicaInfo(f"bench-{s}-{j}", node, "pool", BATCH, 1, 4096)
             keys = keys_of[s][j * BATCHES_PER_LANE * BATCH:(j + 1) * BATCHES_PER_LANE * BATCH]
-            lanes.append(Lane(actor, info, [keys[b * BATCH:(b + 1) * BATCH] for b in range(BATCHES_PER_LANE)]))
-    ray.get([lane.actor.register.remote(lane.info, 0, pack([])) for lane in lanes])
+            lanes.append(Lane(actor, info, [keys[b * BATCH:(b + 1) * BATCH] for b in range(BATCHES_PER_LANE)], namespace))
+    ray.get([lane.actor.register.remote(lane.info, 0, pack([]), namespace=namespace) for lane in lanes])
     in_flight = {lane.call(): lane for lane in lanes}
     rounds = 0
     start = time.perf_counter()
@@ -126,12 +127,12 @@ def visibility(namespace: str, samples: int) -> list[float]:
         b.close()
 
 
-def round_trips(actor, samples: int) -> list[float]:
+def round_trips(actor, samples: int, namespace: str) -> list[float]:
     delays = []
     for key in make_keys(samples):
         time.sleep(random.uniform(0.0, 0.01))
         start = time.perf_counter()
-        ray.get(actor.publish.remote("a", 1, pack(([(key, 0, 0)], []))))
+        ray.get(actor.publish.remote("a", 1, pack(([(key, 0, 0)], [])), None, namespace=namespace))
         delays.append(time.perf_counter() - start)
     return delays
 
@@ -158,22 +159,22 @@ def main() -> None:
             shard_namespace = f"{namespace}-{num_shards}"
             shards = get_or_create_shards(shard_namespace, num_shards)
             noops = [NoOp.options(num_cpus=0).remote() for _ in range(num_shards)]
-            ray.get([s.stats.remote() for s in shards] + [n.query.remote([]) for n in noops])
+            ray.get([s.stats.remote() for s in shards] + [n.query.remote([], shard_namespace) for n in noops])
             keys_of: list[list[bytes]] = [[] for _ in range(num_shards)]
             while min(map(len, keys_of)) < needed:
                 for key in make_keys(needed):
                     keys_of[shard_of(key, num_shards)].append(key)
-            throughput(shards, keys_of, 0.3)  # warm up
-            directory = throughput(shards, keys_of, args.seconds)
-            baseline = throughput(noops, keys_of, args.seconds)
+            throughput(shards, keys_of, 0.3, shard_namespace)  # warm up
+            directory = throughput(shards, keys_of, args.seconds, shard_namespace)
+            baseline = throughput(noops, keys_of, args.seconds, shard_namespace)
             rows.append((f"{num_shards} shard{'s' * (num_shards > 1)}", directory, baseline))
             kill_shards(shard_namespace)
             for noop in noops:
                 ray.kill(noop)
 
         noop = NoOp.options(num_cpus=0).remote()
-        round_trips(noop, 20)
-        baseline_delays = round_trips(noop, args.samples)
+        round_trips(noop, 20, namespace)
+        baseline_delays = round_trips(noop, args.samples, namespace)
         delays = visibility(namespace, args.samples)
     finally:
         kill_shards(namespace)

@@ -33,6 +33,7 @@ from ray.cluster_utils import Cluster  # noqa: E402
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy  # noqa: E402
 
 from distkv.abstract import ReqContext  # noqa: E402
+from distkv.demo.runner import token_auth_on  # noqa: E402
 from distkv.harness import Replica, block_keys  # noqa: E402
 from distkv.spec import RayOffloadingSpec  # noqa: E402
 from ray_actors.directory import kill_shards  # noqa: E402
@@ -108,6 +109,7 @@ def main() -> None:
     args = parser.parse_args()
 
     store = 640 * MiB
+    token_auth_on()
     cluster = Cluster(
         initialize_head=True,
         connect=True,

@@ -63,6 +63,7 @@ from ray.cluster_utils import Cluster  # noqa: E402
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy  # noqa: E402
 
 from distkv.abstract import ReqContext, make_offload_key  # noqa: E402
+from distkv.demo.runner import token_auth_on  # noqa: E402
 from distkv.directory import Changes, Cursor, DirectoryState, ReplicaInfo, ShardView, pack, unpack  # noqa: E402
 from distkv.spec import RayOffloadingSpec  # noqa: E402
 from ray_actors.directory import get_or_create_shards, kill_shards  # noqa: E402
@@ -352,6 +353,7 @@ class ChurnReplica:
 
 def replicas_scale(counts: list[int], seconds: float) -> list[dict[str, Any]]:
     """Per replica count: Directory events/s, view-update latency, CPU per replica."""
+    token_auth_on()
     cluster = Cluster(
         initialize_head=True,
         connect=True,

@@ -109,10 +109,10 @@ def unpack(data: bytes) -> Any:
 def check_namespace(serves: str, namespace: object, who: str) -> None:
     """Refuse a call made for cache namespace `namespace` to `who`, which serves `serves`.
 
-    None (a caller that does not say) passes; a call naming another namespace is a
-    ValueError, so that a replica never reads or writes another namespace's blocks.
+    A call naming another namespace (or none) is a ValueError, so that a replica never
+    reads or writes another namespace's blocks.
     """
-    if namespace is not None and namespace != serves:
+    if namespace != serves:
         raise ValueError(f"{who} serves cache namespace {serves!r} and refuses a call for namespace {namespace!r}")
 
 
@@ -123,7 +123,7 @@ def check_pool_namespace(pool_name: object, namespace: object) -> None:
     ns, _, replica = pool_name[len(SEGMENT_PREFIX):].partition("-")
     if segment_name(ns, replica) != pool_name:  # segment_name names a bad namespace or replica
         raise ValueError(f"{pool_name!r} is not a distkv pool segment name")
-    if namespace is not None and ns != namespace:
+    if ns != namespace:
         raise ValueError(f"pool {pool_name!r} belongs to cache namespace {ns!r}, not to {namespace!r}")
 
 

@@ -47,7 +47,7 @@ class DirectoryShard:
         # Ray runs an async actor's __init__ on its event loop.
         self._watcher = asyncio.get_running_loop().create_task(self._watch())
 
-    async def register(self, info: ReplicaInfo, seq: int, stored: bytes, namespace: str | None = None) -> tuple[str, bool]:
+    async def register(self, info: ReplicaInfo, seq: int, stored: bytes, namespace: str) -> tuple[str, bool]:
         """Register a replica afresh and publish everything it holds (packed entries), as one change.
 
         Every call that changes or reads holders refuses another cache `namespace` (ValueError).
@@ -63,7 +63,7 @@ class DirectoryShard:
         return self._state.epoch, True
 
     async def publish(
-        self, replica_id: str, seq: int, changes: bytes, report: dict | None = None, namespace: str | None = None
+        self, replica_id: str, seq: int, changes: bytes, report: dict | None, namespace: str
     ) -> tuple[str, bool]:
         """Apply a packed (stored, removed); (epoch, whether the replica is registered).
 
@@ -78,19 +78,19 @@ class DirectoryShard:
         self._notify(before)
         return self._state.epoch, known
 
-    async def unregister(self, replica_id: str, namespace: str | None = None) -> bool:
+    async def unregister(self, replica_id: str, namespace: str) -> bool:
         self._check(namespace)
         before = self._state.cursor()
         known = self._state.unregister(replica_id)
         self._notify(before)
         return known
 
-    async def query(self, keys: Sequence[OffloadKey], namespace: str | None = None) -> bytes:
+    async def query(self, keys: Sequence[OffloadKey], namespace: str) -> bytes:
         """The packed holders of each key; see `DirectoryState.query`."""
         self._check(namespace)
         return pack(self._state.query(keys))
 
-    async def changes(self, cursor: Cursor | None, timeout_s: float, namespace: str | None = None) -> bytes:
+    async def changes(self, cursor: Cursor | None, timeout_s: float, namespace: str) -> bytes:
         """The packed changes after `cursor`, waiting up to `timeout_s` for one when there are none yet."""
         self._check(namespace)
         if cursor == self._state.cursor():
@@ -113,7 +113,7 @@ class DirectoryShard:
         """The registered replicas with their latest reports; see `DirectoryState.replicas`."""
         return self._state.replicas()
 
-    def _check(self, namespace: str | None) -> None:
+    def _check(self, namespace: str) -> None:
         check_namespace(self._namespace, namespace, f"directory shard {shard_name(self._namespace, self._shard)}")
 
     def _notify(self, before: Cursor) -> None:

@@ -37,7 +37,7 @@ class NodeAgent:
         rows: list[int],
         keys: list[OffloadKey],
         generations: list[int],
-        namespace: str | None = None,
+        namespace: str,
     ) -> tuple[list[ray.ObjectRef] | None, list[SlotMeta]]:
         """([ref of the rows' slot bytes], metas); the ref is nested so the reply does not carry the bytes.
 

@@ -6,6 +6,8 @@ from collections.abc import Iterator
 import ray
 from ray.cluster_utils import Cluster
 
+from distkv.demo.runner import token_auth_on
+
 MB = 1024**2
 
 
@@ -13,6 +15,7 @@ MB = 1024**2
 def simulated_cluster(extra_nodes: int) -> Iterator[tuple[Cluster, list]]:
     """A head node (where the Directory runs) and `extra_nodes` more, each with 1 CPU and
     100 MB of object store, this process connected; yields (cluster, the added nodes)."""
+    token_auth_on()
     cluster = Cluster(
         initialize_head=True,
         connect=True,

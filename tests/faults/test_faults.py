@@ -229,7 +229,7 @@ def test_directory_and_node_agent_refuse_another_namespace(cluster, make_workloa
     info = ReplicaInfo("intruder", n1.node_id, segment_name(other, "intruder"), 64, 1, SLOT_BYTES)
     calls = [
         shard.register.remote(info, 1, pack([]), namespace=other),
-        shard.publish.remote("a", 1 << 40, pack(([], [key])), namespace=other),
+        shard.publish.remote("a", 1 << 40, pack(([], [key])), None, namespace=other),
         shard.unregister.remote("a", namespace=other),
         shard.query.remote([key], namespace=other),
         shard.changes.remote(None, 0.1, namespace=other),

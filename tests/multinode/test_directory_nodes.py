@@ -29,8 +29,8 @@ def test_holders_on_a_dead_node_are_dropped(cluster):
         keys = [i.to_bytes(8, "big") * 4 + b"\0\0\0\0" for i in range(16)]
         on_worker = ReplicaInfo("far", worker.node_id, "pool-far", 16, 1, 4096)
         on_head = ReplicaInfo("near", head, "pool-near", 16, 1, 4096)
-        ray.get([shard.register.remote(on_worker, 1, pack([(k, i, 1) for i, k in enumerate(keys)])) for shard in shards])
-        ray.get([shard.register.remote(on_head, 1, pack([(k, i, 1) for i, k in enumerate(keys[:4])])) for shard in shards])
+        ray.get([shard.register.remote(on_worker, 1, pack([(k, i, 1) for i, k in enumerate(keys)]), namespace=namespace) for shard in shards])
+        ray.get([shard.register.remote(on_head, 1, pack([(k, i, 1) for i, k in enumerate(keys[:4])]), namespace=namespace) for shard in shards])
         watcher.stored([(k, i, 1) for i, k in enumerate(keys[:4])])
         deadline = time.monotonic() + 10
         while not all(len(holders) == 3 for holders in watcher.query(keys[:4])):

@@ -116,7 +116,7 @@ def test_replica_that_stops_heartbeating_expires(make_link, namespace):
     alive, watcher = make_link("alive", 1), make_link("watcher", 1)
     ghost_keys, alive_keys = new_keys(3), new_keys(3)
     ghost = ReplicaInfo("ghost", watcher.info.node_id, "pool-ghost", 8, 1, 4096)
-    ray.get(shard.register.remote(ghost, 1, pack([(k, i, 1) for i, k in enumerate(ghost_keys)])))
+    ray.get(shard.register.remote(ghost, 1, pack([(k, i, 1) for i, k in enumerate(ghost_keys)]), namespace=namespace))
     alive.stored([(k, i, 1) for i, k in enumerate(alive_keys)])
     wait_for(lambda: visible(watcher, ghost_keys, "ghost") and visible(watcher, alive_keys, "alive"), 10)
     waited = wait_for(lambda: invisible(watcher, ghost_keys), 5)
@@ -131,7 +131,7 @@ def test_replica_the_directory_forgot_publishes_again(make_link, namespace):
     a.stored([(k, i, 1) for i, k in enumerate(keys)])
     wait_for(lambda: visible(b, keys, "a"), 10)
     (shard,) = get_or_create_shards(namespace, 1)
-    assert ray.get(shard.unregister.remote("a"))  # as if a had been expired during a long pause
+    assert ray.get(shard.unregister.remote("a", namespace=namespace))  # as if a had been expired during a long pause
     wait_for(lambda: invisible(b, keys), 2)
     wait_for(lambda: visible(b, keys, "a"), 3)  # a's next heartbeat hears it is unknown
 

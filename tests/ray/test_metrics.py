@@ -114,9 +114,9 @@ def test_metrics_endpoint_serves_what_the_workload_did(replicas):
     rows, gens = [r for r, _ in held], [g for _, g in held]
     gens[3] += 1
     layout = (a.spec.layout.num_rows, a.spec.layout.num_ranks, a.spec.layout.slot_bytes)
-    _, metas = ray.get(agent.read_rows.remote(a.spec.pool_name, layout, rows, keys[:4], gens))
+    _, metas = ray.get(agent.read_rows.remote(a.spec.pool_name, layout, rows, keys[:4], gens, namespace=a.spec.namespace))
     assert [m is not None for m in metas] == [True, True, True, False]
-    ray.get(agent.read_rows.remote(a.spec.pool_name + "_gone", layout, rows[:2], keys[:2], gens[:2]))
+    ray.get(agent.read_rows.remote(a.spec.pool_name + "_gone", layout, rows[:2], keys[:2], gens[:2], namespace=a.spec.namespace))
 
     sa, sb = a.manager.stats(), b.manager.stats()
     assert sa["lookups"] == {"local_hit": 32, "remote_hit": 0, "miss": 1, "retry": 0}

@@ -68,9 +68,10 @@ def test_tenant_salts_give_different_namespaces(s1, s2):
 
 def test_calls_for_another_namespace_are_refused():
     check_namespace("aaaa", "aaaa", "shard")
-    check_namespace("aaaa", None, "shard")  # a caller that does not say
     with pytest.raises(ValueError, match="serves cache namespace 'aaaa' and refuses a call for namespace 'bbbb'"):
         check_namespace("aaaa", "bbbb", "shard")
+    with pytest.raises(ValueError, match="refuses a call for namespace None"):
+        check_namespace("aaaa", None, "shard")  # a caller must say which namespace it is of
 
     check_pool_namespace(segment_name("aaaa", "r1"), "aaaa")
     with pytest.raises(ValueError, match="belongs to cache namespace 'bbbb', not to 'aaaa'"):
@@ -109,8 +110,8 @@ def test_no_configuration_turns_token_auth_off():
 
 
 def test_every_cluster_distkv_starts_has_token_auth_on():
-    """`ray start` does not turn token auth on by itself, nor does ray.cluster_utils.Cluster:
-    whatever starts a cluster must."""
+    """A node joining with `ray start` and ray.cluster_utils.Cluster do not turn token auth on
+    by themselves: whatever starts a cluster must."""
     missing = []
     for path in config_files():
         text = path.read_text(errors="replace")
