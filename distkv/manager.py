@@ -272,8 +272,10 @@ class LocalOffloadingManager(OffloadingManager):
                 block = blocks.get(key)
                 if block is not None and block.refs < 0:
                     landed.append((key, block))
-                elif block is None and key_problem(key) is not None:
-                    raise ValueError(f"complete_store: {key_problem(key)}")
+                elif block is None:
+                    problem = key_problem(key)
+                    if problem is not None:
+                        raise ValueError(f"complete_store: {problem}")
         except TypeError:
             check_keys(keys)
             raise
