@@ -78,9 +78,10 @@ class LRUPolicy(CachePolicy):
 
     def touch(self, keys: Sequence[OffloadKey]) -> None:
         order = self._order
+        move_to_end = order.move_to_end
         for key in reversed(keys):
             if key in order:
-                order.move_to_end(key)
+                move_to_end(key)
 
     def remove(self, key: OffloadKey) -> None:
         del self._order[key]
@@ -153,11 +154,12 @@ class ARCPolicy(CachePolicy):
 
     def touch(self, keys: Sequence[OffloadKey]) -> None:
         t1, t2 = self._t1, self._t2
+        move_to_end, pop_t1 = t2.move_to_end, t1.pop
         # T2 first: the keys a request touches are mostly prefix hits, used before
         for key in reversed(keys):
             if key in t2:
-                t2.move_to_end(key)
-            elif t1.pop(key, _ABSENT) is not _ABSENT:
+                move_to_end(key)
+            elif pop_t1(key, _ABSENT) is not _ABSENT:
                 t2[key] = None
 
     def remove(self, key: OffloadKey) -> None:
