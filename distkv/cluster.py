@@ -16,7 +16,7 @@ from distkv.abstract import (
 )
 from distkv.config import STORE_POLICIES
 from distkv.directory import DirectoryLink
-from distkv.manager import LocalOffloadingManager, check_keys, key_problem
+from distkv.manager import MAX_KEY_BYTES, MIN_KEY_BYTES, LocalOffloadingManager, check_keys, key_problem
 from distkv.metrics import ErrorLog, merge_errors
 from distkv.promotion import Promoter, Promotion
 
@@ -53,7 +53,9 @@ class ClusterOffloadingManager(OffloadingManager):
         if promotion_timeout_s <= 0:
             raise ValueError(f"promotion_timeout_s={promotion_timeout_s} must be positive")
         self.local = local
+        local.landed = []
         self._local_block = local.blocks.get
+        self._view = link.view
         self._view_get = link.view.get
         self.link = link
         self.promoter = promoter
@@ -75,7 +77,8 @@ class ClusterOffloadingManager(OffloadingManager):
         self.lookups_remote_hit = 0
         self.lookups_miss = 0
         self.lookups_retry = 0
-        self.blocks_stored = 0  # by the engine; promoted blocks are counted by the promoter
+        # blocks the local manager stored for promotions; the rest the engine stored
+        self._promoted_stored = 0
         self.stores_rejected = 0
         self.errors = ErrorLog()
         self.closed = False
@@ -87,21 +90,20 @@ class ClusterOffloadingManager(OffloadingManager):
         # so a key without one needs only the view.
         try:
             block = self._local_block(key)
-        except TypeError:
-            block = None
+        except TypeError:  # unhashable, so not bytes
+            raise ValueError(key_problem(key)) from None
         if block is not None:
             if block.refs >= 0:
                 self.lookups_local_hit += 1
                 return True
             return self._lookup_in_flight(key, req_context)
-        holders = self._view_get(key)
-        if not holders:
-            problem = key_problem(key)
-            if problem is not None:
-                raise ValueError(problem)
+        if key not in self._view:  # `in` costs no call, and this is the common miss
+            if type(key) is not bytes or not MIN_KEY_BYTES <= len(key) <= MAX_KEY_BYTES:
+                raise ValueError(key_problem(key))
             self.lookups_miss += 1
             return False
-        hit = self._promote(key, holders)
+        holders = self._view_get(key)  # None if it left the view since
+        hit = self._promote(key, holders) if holders else False
         if hit is False:
             self.lookups_miss += 1
         return hit
@@ -146,9 +148,7 @@ class ClusterOffloadingManager(OffloadingManager):
         return out
 
     def complete_store(self, keys: Collection[OffloadKey], req_context: ReqContext, success: bool = True) -> None:
-        stored = self.local.blocks_stored
         self.local.complete_store(keys, req_context, success)
-        self.blocks_stored += self.local.blocks_stored - stored
         self._forward_events()
 
     def take_events(self) -> Iterable[OffloadingEvent]:
@@ -180,6 +180,11 @@ class ClusterOffloadingManager(OffloadingManager):
         self.closed = True
 
     # ---- counts ----------------------------------------------------------------------
+
+    @property
+    def blocks_stored(self) -> int:
+        """Blocks the engine stored here; promoted blocks are counted by the promoter."""
+        return self.local.blocks_stored - self._promoted_stored
 
     def stats(self) -> dict:
         """This replica's counts since it started: what `distkv status` shows and the
@@ -261,7 +266,9 @@ class ClusterOffloadingManager(OffloadingManager):
         self.lookups_remote_hit += len(succeeded)
         self.lookups_miss += len(failed)
         if succeeded:
+            stored = self.local.blocks_stored
             self.local.complete_store(succeeded, self._promotion_ctx, success=True)
+            self._promoted_stored += self.local.blocks_stored - stored
         if failed:
             self.local.complete_store(failed, self._promotion_ctx, success=False)
             if len(self._failed) > MAX_FAILED_KEYS:  # keep it bounded: forget what expired
@@ -275,17 +282,15 @@ class ClusterOffloadingManager(OffloadingManager):
 
     def _forward_events(self) -> None:
         """Pass the local manager's events on to vLLM and, as holder updates, to the Directory."""
-        for event in self.local.take_events():
+        local = self.local
+        # Each call forwards what it changed, so a block landed here is not also removed:
+        # publishing the landed blocks first keeps the Directory's order right regardless.
+        if local.landed:
+            self.link.ready(local.landed)
+            local.landed = []
+        for event in local.take_events():
             self._events.append(event)
             if event.removed:
                 self.link.removed(event.keys)
                 for key in event.keys:
                     self._promoted.pop(key, None)
-            else:
-                local_block = self._local_block
-                entries = []
-                for key in event.keys:
-                    block = local_block(key)
-                    if block is not None and block.refs >= 0:
-                        entries.append((key, block.row, block.generation))
-                self.link.stored(entries)

@@ -20,7 +20,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 from distkv.abstract import OffloadKey
 from distkv.manager import MIN_KEY_BYTES, check_keys, key_problem
@@ -31,6 +31,15 @@ logger = logging.getLogger(__name__)
 
 # (key, row, generation): a block this replica made loadable in one of its pool's rows.
 StoredEntry = tuple[OffloadKey, int, int]
+
+
+class ReadyBlock(Protocol):
+    """A block of the replica's block table, as `DirectoryLink.ready` takes it."""
+
+    row: int
+    generation: int
+
+
 # (replica_id, node_id, stored, removed): one replica's change, stored applied after removed.
 LogEntry = tuple[str, str, list[StoredEntry], list[OffloadKey]]
 # A Holder's fields in a plain tuple, as the Directory keeps and sends them: a plain tuple
@@ -443,6 +452,8 @@ class ShardView:
             del self.holders[key]
 
 
+# what an item of a link's inbox holds
+_STORED, _READY, _REMOVED = range(3)
 # The link flushes a shard's pending changes at most this often, so they travel in batches.
 FLUSH_INTERVAL_S = 0.003
 # An idle link publishes an empty batch this often, so the Directory knows it is alive.
@@ -526,8 +537,13 @@ class DirectoryLink:
             for i, actor in enumerate(get_or_create_shards(namespace, num_shards))
         ]
         self._views = [shard.view for shard in self._shards]
-        self._inbox: collections.deque[tuple[bool, Sequence]] = collections.deque()
+        # (what, items): _STORED entries, _READY (key, block) pairs, _REMOVED keys
+        self._inbox: collections.deque[tuple[int, Sequence]] = collections.deque()
         self._wake = threading.Event()
+        # Whether the thread sleeps longer than FLUSH_INTERVAL_S, so that `stored` and
+        # `removed` must wake it. In shorter sleeps it takes the inbox when it wakes anyway,
+        # which spares the scheduler's calls a thread wake-up (a syscall) each.
+        self._listening = False
         self._stopping = False
         self._thread: threading.Thread | None = None
         # The replica's stats, sent along with a publish to every shard at most every
@@ -556,16 +572,24 @@ class DirectoryLink:
         """Queue blocks this replica made loadable: (key, row, generation) each. Never blocks."""
         entries = tuple(entries)
         check_stored(entries, self.info.num_rows)
-        self._inbox.append((True, entries))
-        if not self._wake.is_set():  # set() takes a lock even when already set
-            self._wake.set()
+        self._queue(_STORED, entries)
+
+    def ready(self, blocks: Sequence[tuple[OffloadKey, ReadyBlock]]) -> None:
+        """`stored` for the scheduler's path: (key, block) pairs straight from the replica's
+        block table. The link's thread reads each block's row and generation, which never
+        change; they are valid by construction and not checked again (the Directory checks
+        every batch it takes in any case). `blocks` is not copied. Never blocks."""
+        self._queue(_READY, blocks)
 
     def removed(self, keys: Sequence[OffloadKey]) -> None:
         """Queue keys this replica no longer holds. Never blocks."""
         keys = tuple(keys)
         check_keys(keys)
-        self._inbox.append((False, keys))
-        if not self._wake.is_set():
+        self._queue(_REMOVED, keys)
+
+    def _queue(self, what: int, items: Sequence) -> None:
+        self._inbox.append((what, items))
+        if self._listening and not self._wake.is_set():  # set() takes a lock even when already set
             self._wake.set()
 
     @property
@@ -615,6 +639,7 @@ class DirectoryLink:
         timeout = 0.0
         while True:
             self._wake.wait(timeout)
+            self._listening = False
             self._wake.clear()
             if self._stopping:
                 break
@@ -622,6 +647,10 @@ class DirectoryLink:
             now = time.monotonic()
             due = min(self._service(shard, now) for shard in self._shards)
             timeout = max(0.0, due - time.monotonic())
+            if timeout > FLUSH_INTERVAL_S:
+                self._listening = True
+                if self._inbox:  # queued before the flag was up: no one woke us for it
+                    timeout = 0.0
         self._shutdown()
 
     def _take_inbox(self) -> None:
@@ -629,11 +658,15 @@ class DirectoryLink:
         shards = self._shards
         num_shards = self.num_shards
         while inbox:
-            is_store, items = inbox.popleft()
-            if is_store:
+            what, items = inbox.popleft()
+            if what == _STORED:
                 for key, row, generation in items:
                     shard = shards[int.from_bytes(key[:8], "big") % num_shards]
                     shard.held[key] = shard.pending[key] = (row, generation)
+            elif what == _READY:
+                for key, block in items:
+                    shard = shards[int.from_bytes(key[:8], "big") % num_shards]
+                    shard.held[key] = shard.pending[key] = (block.row, block.generation)
             else:
                 for key in items:
                     shard = shards[int.from_bytes(key[:8], "big") % num_shards]

@@ -81,6 +81,10 @@ class LocalOffloadingManager(OffloadingManager):
         self._events: list[OffloadingEvent] = []
         # pins that reset_cache dropped with their blocks, for the loads still to complete
         self._dropped_pins: dict[OffloadKey, int] = {}
+        # When a list, complete_store appends the (key, block) of each block it makes
+        # loadable: how a wrapping manager learns their rows and generations without
+        # looking every key up again.
+        self.landed: list[tuple[OffloadKey, _Block]] | None = None
         # blocks made loadable by complete_store, and evicted to make room, so far
         self.blocks_stored = 0
         self.blocks_evicted = 0
@@ -125,12 +129,11 @@ class LocalOffloadingManager(OffloadingManager):
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> bool | None:
         try:
             block = self._blocks.get(key)
-        except TypeError:
-            block = None
+        except TypeError:  # unhashable, so not bytes
+            raise ValueError(key_problem(key)) from None
         if block is None:
-            problem = key_problem(key)
-            if problem is not None:
-                raise ValueError(problem)
+            if type(key) is not bytes or not MIN_KEY_BYTES <= len(key) <= MAX_KEY_BYTES:
+                raise ValueError(key_problem(key))
             return False
         # True when ready, None (retry later) while its store is in flight
         return block.refs >= 0 or None
@@ -287,6 +290,8 @@ class LocalOffloadingManager(OffloadingManager):
                     done.append(key)
             self._num_evictable += len(done)
             self.blocks_stored += len(done)
+            if self.landed is not None:
+                self.landed += landed  # a key repeated in `keys` twice: harmless
         else:
             remove = self._policy.remove
             for key, block in landed:

@@ -30,6 +30,9 @@ class FakeLink:
                 self.info.replica_id, self.info.node_id, row, gen
             )
 
+    def ready(self, blocks):
+        self.stored([(key, block.row, block.generation) for key, block in blocks])
+
     def removed(self, keys):
         for key in keys:
             self.directory.holders.get(key, {}).pop(self.info.replica_id, None)
@@ -39,10 +42,13 @@ class FakeLink:
 
     @property
     def view(self):
-        return self  # its get() is all the manager reads
+        return self  # its get() and `in` are all the manager reads
 
     def get(self, key, default=None):
         return self.holders(key) or default
+
+    def __contains__(self, key):
+        return bool(self.holders(key))
 
     def replica(self, replica_id):
         return self.directory.infos.get(replica_id)
