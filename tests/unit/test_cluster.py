@@ -233,6 +233,29 @@ def test_directory_follows_stores_and_evictions(replicas):
     assert len(a.manager.link.mine()) == 16
 
 
+def test_directory_learns_the_row_and_generation_of_each_stored_block(replicas):
+    directory = FakeDirectory()
+    a = replicas(directory, "node-1")
+    a.serve(prompt(20, blocks=8))
+    local = a.manager.local
+    published = {key: (h.row, h.generation) for key, hs in directory.holders.items() for h in hs.values()}
+    assert published == {key: local.block(key) for key in local.ready_keys()}
+    assert len(published) == 8
+
+
+@pytest.mark.parametrize(
+    "key, problem",
+    [("abcdefgh", "str, not bytes"), ([1, 2], "list, not bytes"), (b"abcd", "4 bytes long"), (b"x" * 200, "200 bytes long")],
+    ids=["str", "unhashable", "short", "long"],
+)
+def test_lookup_of_a_bad_key_names_it_and_counts_nothing(replicas, key, problem):
+    a = replicas(FakeDirectory(), "node-1")
+    before = a.manager.stats()["lookups"]
+    with pytest.raises(ValueError, match=problem):
+        a.manager.lookup(key, ReqContext("bad"))
+    assert a.manager.stats()["lookups"] == before
+
+
 @pytest.mark.parametrize(
     "kwargs, message",
     [(dict(store_policy="sometimes"), "store_policy"), (dict(promotion_timeout_s=0), "promotion_timeout_s")],
