@@ -20,10 +20,11 @@ RAY_NAMESPACE = "distkv"
 class NodeAgent:
     """Serves rows of a pool on this node to other nodes as one object in the object store.
 
-    The rows are gathered out of the pool into one array, which goes into the object
-    store; the object is owned by the agent, which outlives every read, and freed once
-    the requester drops it. Rows rewritten while they were gathered are reported as not
-    checking out, and the requester checks every slot it receives against its checksum.
+    The rows go into the object store as one array (straight from the pool when they
+    are consecutive); the object is owned by the agent, which outlives every read, and
+    freed once the requester drops it. Rows rewritten while they were copied are
+    reported as not checking out, and the requester checks every slot it receives
+    against its checksum.
     """
 
     def __init__(self) -> None:
@@ -50,11 +51,11 @@ class NodeAgent:
             self._served.record(len(rows), None)
             return None, [None] * len(rows)
         try:
-            data, metas = read_rows(pool, rows, keys, generations)
+            ref, metas = read_rows(pool, rows, keys, generations, copy=ray.put)
         finally:
             pool.close()
         self._served.record(len(rows), metas)
-        return [ray.put(data)], metas
+        return [ref], metas
 
     def node_id(self) -> str:
         return ray.get_runtime_context().get_node_id()
