@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+import time
 from concurrent.futures import Future
 
 import ray
@@ -10,25 +12,29 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from distkv import metrics
 from distkv.abstract import OffloadKey
 from distkv.directory import ReplicaInfo, check_pool_namespace
-from distkv.pool import HostPool, PoolLayout
+from distkv.pool import PoolLayout, PoolReaders
 from distkv.promotion import RowsRead, SlotMeta, read_rows
 
 RAY_NAMESPACE = "distkv"
+# how often a NodeAgent closes the pools it no longer needs mapped (see PoolReaders)
+PRUNE_INTERVAL_S = 5.0
 
 
 @ray.remote(num_cpus=0, max_concurrency=8)
 class NodeAgent:
     """Serves rows of a pool on this node to other nodes as one object in the object store.
 
-    The rows go into the object store as one array (straight from the pool when they
-    are consecutive); the object is owned by the agent, which outlives every read, and
-    freed once the requester drops it. Rows rewritten while they were copied are
-    reported as not checking out, and the requester checks every slot it receives
-    against its checksum.
+    The agent keeps the pools it reads mapped (PoolReaders). The rows go into the
+    object store as one array (straight from the pool when they are consecutive); the
+    object is owned by the agent, which outlives every read, and freed once the
+    requester drops it. Rows rewritten while they were copied are reported as not
+    checking out, and the requester checks every slot it receives against its checksum.
     """
 
     def __init__(self) -> None:
         self._served = metrics.NodeAgentSource(metrics.this_node())
+        self._pools = PoolReaders()
+        threading.Thread(target=self._prune_pools, name="distkv-prune-pools", daemon=True).start()
         metrics.register(self._served)
 
     def read_rows(
@@ -42,20 +48,22 @@ class NodeAgent:
     ) -> tuple[list[ray.ObjectRef] | None, list[SlotMeta]]:
         """([ref of the rows' slot bytes], metas); the ref is nested so the reply does not carry the bytes.
 
-        Refuses (ValueError) a pool that is not a distkv segment of cache `namespace`.
+        Refuses (ValueError) a pool that is not a distkv segment of cache `namespace`, and
+        a layout that is not one.
         """
         check_pool_namespace(pool_name, namespace)
-        try:
-            pool = HostPool(pool_name, PoolLayout(*layout), create=False)
-        except (FileNotFoundError, ValueError):
-            self._served.record(len(rows), None)
-            return None, [None] * len(rows)
-        try:
+        with self._pools.reading(pool_name, PoolLayout(*layout)) as pool:
+            if pool is None:
+                self._served.record(len(rows), None)
+                return None, [None] * len(rows)
             ref, metas = read_rows(pool, rows, keys, generations, copy=ray.put)
-        finally:
-            pool.close()
         self._served.record(len(rows), metas)
         return [ref], metas
+
+    def _prune_pools(self) -> None:
+        while True:
+            time.sleep(PRUNE_INTERVAL_S)
+            self._pools.prune()
 
     def node_id(self) -> str:
         return ray.get_runtime_context().get_node_id()

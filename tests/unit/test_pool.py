@@ -4,6 +4,7 @@ import stat
 import subprocess
 import sys
 import textwrap
+import time
 import uuid
 
 import numpy as np
@@ -15,6 +16,7 @@ from distkv.pool import (
     HostPool,
     COPY_CHUNK_BYTES,
     PoolLayout,
+    PoolReaders,
     checksum,
     copy_checksum,
     pin_ranges,
@@ -111,6 +113,73 @@ def test_second_process_attaches_and_last_close_removes(name):
     assert os.path.exists(b.path)
     b.close()
     assert not os.path.exists(b.path)
+
+
+def test_a_reader_neither_keeps_a_segment_alive_nor_removes_it(name):
+    layout = PoolLayout(num_rows=4, num_ranks=1, slot_bytes=PAGE_BYTES)
+    owner = HostPool(name, layout)
+    store(owner, 0, 1, KEY_A, 5, 42)
+    reader = HostPool(name, layout, create=False, member=False)
+    assert reader.verify(0, 1, KEY_A, 5)
+    reader.close()
+    assert os.path.exists(owner.path)  # closing a reader removes nothing
+    reader = HostPool(name, layout, create=False, member=False)
+    owner.close()  # the replica's last process: the reader does not hold it back
+    assert not os.path.exists(owner.path)
+    assert reader.replaced()
+    assert reader.verify(0, 1, KEY_A, 5)  # what it mapped stays readable
+    reader.close()
+    with pytest.raises(ValueError, match="member"):
+        HostPool(name, layout, member=False)
+
+
+def test_pool_readers_keep_a_pool_mapped_until_it_goes(name):
+    layout = PoolLayout(num_rows=4, num_ranks=1, slot_bytes=PAGE_BYTES)
+    readers = PoolReaders(idle_s=60.0)
+    owner = HostPool(name, layout)
+    store(owner, 0, 0, KEY_A, 1, 7)
+    with readers.reading(name, layout) as first:
+        assert first.verify(0, 0, KEY_A, 1)
+    with readers.reading(name, layout) as again:
+        assert again is first  # mapped once
+    with readers.reading(name, PoolLayout(num_rows=8, num_ranks=1, slot_bytes=PAGE_BYTES)) as other:
+        assert other is None  # another layout: not this pool
+    owner.close()
+    with readers.reading(name, layout) as gone:
+        assert gone is None
+    assert len(readers) == 0
+    # a replica of the same name starts anew: the readers map its new segment
+    owner = HostPool(name, layout)
+    with readers.reading(name, layout) as first:
+        store(owner, 0, 0, KEY_B, 2, 9)
+        owner.close()
+        owner = HostPool(name, layout)  # replaced while read: the read finishes on the old one
+        assert first.verify(0, 0, KEY_B, 2)
+    with readers.reading(name, layout) as fresh:
+        assert fresh is not first and not fresh.holds(0, 0, KEY_B, 2)
+    owner.close()
+    readers.close()
+
+
+def test_pool_readers_prune_removed_and_idle_pools(name):
+    layout = PoolLayout(num_rows=4, num_ranks=1, slot_bytes=PAGE_BYTES)
+    other = segment_name("test" + uuid.uuid4().hex[:12], "r0")
+    removed, idle = HostPool(name, layout), HostPool(other, layout)
+    readers = PoolReaders(idle_s=0.2)
+    try:
+        for n in (name, other):
+            with readers.reading(n, layout) as pool:
+                assert pool is not None
+        removed.close()
+        readers.prune()
+        assert len(readers) == 1  # the removed one
+        time.sleep(0.3)
+        readers.prune()
+        assert len(readers) == 0  # and the idle one
+        assert os.path.exists(idle.path)  # closing a reader removes nothing
+    finally:
+        idle.close()
+        readers.close()
 
 
 def test_layout_mismatch_is_a_clear_error(name):
