@@ -283,8 +283,8 @@ class ClusterOffloadingManager(OffloadingManager):
     def _forward_events(self) -> None:
         """Pass the local manager's events on to vLLM and, as holder updates, to the Directory."""
         local = self.local
-        # Each call forwards what it changed, so a block landed here is not also removed:
-        # publishing the landed blocks first keeps the Directory's order right regardless.
+        # Landed blocks first: among one call's changes a key may land and then go, never
+        # the other way round.
         if local.landed:
             self.link.ready(local.landed)
             local.landed = []

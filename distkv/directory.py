@@ -659,14 +659,12 @@ class DirectoryLink:
         num_shards = self.num_shards
         while inbox:
             what, items = inbox.popleft()
-            if what == _STORED:
+            if what != _REMOVED:
+                if what == _READY:
+                    items = ((key, block.row, block.generation) for key, block in items)
                 for key, row, generation in items:
                     shard = shards[int.from_bytes(key[:8], "big") % num_shards]
                     shard.held[key] = shard.pending[key] = (row, generation)
-            elif what == _READY:
-                for key, block in items:
-                    shard = shards[int.from_bytes(key[:8], "big") % num_shards]
-                    shard.held[key] = shard.pending[key] = (block.row, block.generation)
             else:
                 for key in items:
                     shard = shards[int.from_bytes(key[:8], "big") % num_shards]
