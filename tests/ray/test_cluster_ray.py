@@ -13,6 +13,7 @@ from distkv.harness import Replica, block_keys
 from distkv.pool import SEGMENT_PREFIX
 from distkv.spec import RayOffloadingSpec
 from ray_actors.directory import get_or_create_shards, kill_shards
+from ray_actors.node_agent import PRUNE_INTERVAL_S, RAY_NAMESPACE, agent_name
 
 BLOCK_TOKENS = 16
 PAGE_BYTES = 32 << 10
@@ -114,3 +115,43 @@ def test_no_segments_left_after_shutdown(ray_session):
     r.shutdown()
     kill_shards(namespace)
     assert not [n for n in os.listdir("/dev/shm") if n.startswith(SEGMENT_PREFIX) and namespace in n]
+
+
+def agents_mapping(name: str) -> list[int]:
+    """Pids of the NodeAgent processes that map the segment `name` (removed or not)."""
+    pids = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if not f.read().startswith(b"ray::NodeAgent"):
+                    continue
+            with open(f"/proc/{pid}/maps") as f:
+                if f"/dev/shm/{name}" in f.read():
+                    pids.append(int(pid))
+        except OSError:
+            continue
+    return pids
+
+
+def test_node_agent_lets_go_of_a_removed_pool(ray_session):
+    """The agent keeps the pools it serves mapped, but not one its replica removed: else the
+    segment's memory would stay taken."""
+    r = make_replica(uuid.uuid4().hex)
+    keys = block_keys(prompt(6, blocks=4), BLOCK_TOKENS)
+    r.serve(prompt(6, blocks=4))
+    agent = ray.get_actor(agent_name(ray.get_runtime_context().get_node_id()), namespace=RAY_NAMESPACE)
+    held = [r.manager.local.block(k) for k in keys]
+    layout = (r.spec.layout.num_rows, r.spec.layout.num_ranks, r.spec.layout.slot_bytes)
+    args = (r.spec.pool_name, layout, [row for row, _ in held], keys, [gen for _, gen in held])
+    for _ in range(2):  # the second read finds the pool still mapped
+        refs, metas = ray.get(agent.read_rows.remote(*args, namespace=r.spec.namespace))
+        assert all(metas) and ray.get(refs[0]).shape[:2] == (1, 4)
+    assert agents_mapping(r.spec.pool_name), "the agent did not keep the pool mapped"
+    namespace = r.spec.namespace
+    r.shutdown()
+    kill_shards(namespace)
+    assert not os.path.exists(f"/dev/shm/{r.spec.pool_name}")  # the agent does not hold it back
+    deadline = time.monotonic() + PRUNE_INTERVAL_S + 5
+    while agents_mapping(r.spec.pool_name):
+        assert time.monotonic() < deadline, "the agent still maps the removed pool"
+        time.sleep(0.2)
