@@ -56,7 +56,6 @@ class ClusterOffloadingManager(OffloadingManager):
         local.landed = []
         self._local_block = local.blocks.get
         self._view = link.view
-        self._view_get = link.view.get
         self.link = link
         self.promoter = promoter
         self.dedupe = store_policy == "dedupe"
@@ -102,7 +101,7 @@ class ClusterOffloadingManager(OffloadingManager):
                 raise ValueError(key_problem(key))
             self.lookups_miss += 1
             return False
-        holders = self._view_get(key)  # None if it left the view since
+        holders = self._view.get(key)  # None if it left the view since
         hit = self._promote(key, holders) if holders else False
         if hit is False:
             self.lookups_miss += 1
