@@ -1,6 +1,6 @@
 """Promotion of 64 x 2 MiB blocks between two simulated nodes, against a raw ray.get of 128 MiB.
 
-    python bench/promote.py [--runs N] [--json PATH]
+    python bench/promote.py [--runs N] [--warmup N] [--json PATH]
 
 A `ray.cluster_utils.Cluster` with a head node (the Directory) and nodes A and B, one
 replica actor on each (a harness Replica over RayOffloadingSpec). A stores a 64-block
@@ -10,8 +10,11 @@ as a scheduler step would); the rows travel through A's NodeAgent and the object
 and are checked into B's pool. The load to the GPU stand-in is not timed; it is checked
 afterwards (64 hits, no mismatch). Baseline: an actor on A puts one 128 MiB array, an
 actor on B times `ray.get` of it (the transfer alone: the array stays a zero-copy view of
-B's object store, while a promotion also reads, checks and copies every byte on both ends). Each figure is the median of --runs runs, alternating
-the two; B drops its promoted blocks (reset_cache) between runs. Target: promotion
+B's object store, while a promotion also reads, checks and copies every byte on both
+ends). Both run --warmup times untimed first: a fresh cluster's first transfers also
+fault in the object stores' memory and warm up Ray's connections, which a running
+cluster has long done. Each figure is then the median of --runs runs, alternating the
+two; B drops its promoted blocks (reset_cache) between runs. Target: promotion
 throughput >= 0.7 of the baseline's.
 
 Beside each time, the CPU time the whole machine spent meanwhile (/proc/stat, every
@@ -118,7 +121,8 @@ class BenchReplica:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument("--runs", type=int, default=7)
+    parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--json", type=Path, help="also write the figures here")
     args = parser.parse_args()
 
@@ -151,30 +155,43 @@ def main() -> None:
             time.sleep(0.01)
 
         nbytes = BLOCKS * 2 * PAGE_BYTES
-        promote_s, raw_s, promote_cpu_s, raw_cpu_s = [], [], [], []
-        for _ in range(args.runs):
+
+        def promote() -> tuple[float, float]:
             cpu = machine_cpu_s()
             seconds, promoted = ray.get(b.promote.remote(keys))
-            promote_cpu_s.append(machine_cpu_s() - cpu)
+            cpu = machine_cpu_s() - cpu
             if promoted != nbytes:
                 raise SystemExit(f"promoted {promoted} bytes across nodes, expected {nbytes}")
-            promote_s.append(seconds)
             loaded = ray.get(b.serve.remote(tokens))
             if loaded["hits"] != BLOCKS or loaded["mismatches"]:
                 raise SystemExit(f"load after promotion: {loaded}")
             ray.get(b.drop_cache.remote())
+            return seconds, cpu
 
+        def raw() -> tuple[float, float]:
             refs = ray.get(a.put.remote(nbytes))
             cpu = machine_cpu_s()
-            raw_s.append(ray.get(b.get.remote(refs)))
-            raw_cpu_s.append(machine_cpu_s() - cpu)
+            seconds = ray.get(b.get.remote(refs))
+            cpu = machine_cpu_s() - cpu
             del refs
             ray.get(a.drop.remote())
+            return seconds, cpu
+
+        for _ in range(args.warmup):
+            promote()
+            raw()
+        promote_s, raw_s, promote_cpu_s, raw_cpu_s = [], [], [], []
+        for run in range(args.runs):
+            for name, step, times, cpus in (("promotion", promote, promote_s, promote_cpu_s), ("raw", raw, raw_s, raw_cpu_s)):
+                seconds, cpu = step()
+                times.append(seconds)
+                cpus.append(cpu)
+                print(f"run {run}: {name:9} {seconds * 1e3:4.0f} ms, machine CPU {cpu * 1e3:4.0f} ms", flush=True)
 
         promote_gbs = nbytes / statistics.median(promote_s) / 1e9
         raw_gbs = nbytes / statistics.median(raw_s) / 1e9
         ratio = promote_gbs / raw_gbs
-        print(f"{BLOCKS} x {2 * PAGE_BYTES // MiB} MiB blocks, node A -> node B (simulated nodes, one machine), median of {args.runs} runs")
+        print(f"{BLOCKS} x {2 * PAGE_BYTES // MiB} MiB blocks, node A -> node B (simulated nodes, one machine), median of {args.runs} runs after {args.warmup} warm-up runs")
         cores = os.cpu_count()
         for name, times, cpus in (
             (f"promotion (first lookup -> all {BLOCKS} True)", promote_s, promote_cpu_s),

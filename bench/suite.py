@@ -117,7 +117,7 @@ FULL = Sizes(
 )
 QUICK = Sizes(
     trace_requests=1000, trace_rows=2048, trace_runs=3, view_keys=8192, lookup_batches=51,
-    transfer_args=["--gib", "0.25", "--reps", "3"], promote_args=["--runs", "3"],
+    transfer_args=["--gib", "0.25", "--reps", "3"], promote_args=["--runs", "3", "--warmup", "1"],
     demo_args=["--requests", "40", "--replicas", "2"],
     scale_args=["--keys", "1000000", "--replicas", "2,4", "--seconds", "2"],
 )
