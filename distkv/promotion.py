@@ -82,6 +82,10 @@ def read_rows(
     return copied, metas
 
 
+# wakes the Promoter's thread to collect a fetch
+_FETCHED = object()
+
+
 @dataclass
 class Promotion:
     key: OffloadKey
@@ -98,9 +102,13 @@ class Promoter:
     # A fetch from another node asks for at most this many bytes (one row at least), so
     # that the holder's copy into the object store, the transfer and the checked copy
     # here of successive fetches overlap instead of running one after the other. Each
-    # fetch also costs an actor call and an object: 128 MiB took 230 ms in 8 MiB
-    # fetches and 190 ms in 32 MiB ones (bench/promote.py).
-    FETCH_BYTES = 32 << 20
+    # fetch also costs an actor call, an object and a concurrent put at the holder: in
+    # steady state 128 MiB took 156 ms in 16 MiB fetches, 139 in 32, 114 in 64 and 113
+    # in one (bench/promote.py, two simulated nodes sharing two cores).
+    FETCH_BYTES = 64 << 20
+    # The thread wakes when a promotion is submitted or a fetch completes, and at least
+    # this often to fail the promotions past their deadline.
+    IDLE_WAIT_S = 0.05
 
     def __init__(
         self,
@@ -113,7 +121,8 @@ class Promoter:
         self._node_id = node_id
         self._replica_info = replica_info
         self._fetch_remote = fetch_remote
-        self._submitted: queue.SimpleQueue[Promotion | None] = queue.SimpleQueue()
+        # promotions to start; None to stop; _FETCHED when a fetch completed
+        self._submitted: queue.SimpleQueue[Promotion | object | None] = queue.SimpleQueue()
         self._finished: deque[tuple[OffloadKey, bool, bool]] = deque()
         # (future of the rows read, holder, promotions still waiting on it, row index of each
         # key, when it was asked for)
@@ -166,14 +175,17 @@ class Promoter:
             self._collect()
 
     def _take_batch(self) -> list[Promotion] | None:
-        """Everything submitted so far; waits briefly for the first when idle."""
+        """Everything submitted so far, once something was submitted or a fetch completed.
+
+        Waits at most IDLE_WAIT_S, so that timeouts are noticed that soon."""
         batch: list[Promotion] = []
         try:
-            item = self._submitted.get(timeout=0.002 if self._in_flight else 0.05)
+            item = self._submitted.get(timeout=self.IDLE_WAIT_S)
             while True:
                 if item is None:
                     return None
-                batch.append(item)
+                if item is not _FETCHED:
+                    batch.append(item)
                 item = self._submitted.get_nowait()
         except queue.Empty:
             return batch
@@ -194,6 +206,9 @@ class Promoter:
                 continue
             row_bytes = info.num_ranks * info.slot_bytes
             step = max(self.FETCH_BYTES // row_bytes, 1)
+            # in the holder's row order: a prefix stored together then asks for runs of
+            # consecutive rows, which the holder copies out without gathering them first
+            promotions.sort(key=lambda p: self._held_row(p, info).row)
             for i in range(0, len(promotions), step):
                 self._fetch(info, promotions[i : i + step])
 
@@ -210,6 +225,7 @@ class Promoter:
             return
         index = {p.key: i for i, p in enumerate(promotions)}
         self._in_flight.append((future, info, promotions, index, asked))
+        future.add_done_callback(lambda _: self._submitted.put(_FETCHED))
 
     def _choose(self, p: Promotion) -> ReplicaInfo | None:
         """A holder whose pool we can read, on this node if possible."""
