@@ -37,9 +37,11 @@ class PoolFetch:
         self.corrupt = corrupt
         self.pending: list[tuple[Future, ReplicaInfo, list, list, list]] = []
         self.calls = 0
+        self.rows_asked: list[list[int]] = []
 
     def __call__(self, info, rows, keys, gens):
         self.calls += 1
+        self.rows_asked.append(list(rows))
         future: Future = Future()
         self.pending.append((future, info, rows, keys, gens))
         if not self.hold:
@@ -122,6 +124,23 @@ def test_prefix_stored_on_a_is_loaded_bit_exact_by_b(replicas, node_b):
     assert (fetch.calls > 0) == (node_b == "node-2")
     # B now holds the blocks too, and says so
     assert b.manager.link.mine() == set(keys)
+
+
+def test_a_promoted_prefix_is_fetched_as_runs_of_the_holders_rows(replicas, monkeypatch):
+    # A stores a prefix in one batch, whatever rows its manager hands out; B asks A's
+    # node for them in A's row order, at most FETCH_BYTES per fetch, so that each fetch
+    # is one slice of A's pool
+    monkeypatch.setattr(Promoter, "FETCH_BYTES", 8 * BLOCK_BYTES)
+    directory = FakeDirectory()
+    fetch = PoolFetch()
+    a = replicas(directory, "node-1")
+    b = replicas(directory, "node-2", fetch=fetch)
+    tokens = prompt(2)
+    a.serve(tokens)
+    assert b.serve(tokens).hit_blocks == 32
+    assert [len(rows) for rows in fetch.rows_asked] == [8, 8, 8, 8]
+    for rows in fetch.rows_asked:
+        assert rows == list(range(rows[0], rows[0] + 8))
 
 
 def test_loaded_blocks_are_counted_by_where_they_came_from(replicas):
