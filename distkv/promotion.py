@@ -19,7 +19,6 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import TypeVar
 
 import numpy as np
 
@@ -29,8 +28,6 @@ from distkv.metrics import MAX_OBSERVATIONS, ErrorLog
 from distkv.pool import HostPool, PoolLayout, copy_checksum
 
 logger = logging.getLogger(__name__)
-
-T = TypeVar("T")
 
 # Per row, per rank: (nbytes, checksum) of a sealed slot; None for a row that did not
 # check out at the holder.
@@ -47,21 +44,17 @@ def layout_of(info: ReplicaInfo) -> PoolLayout:
 
 
 def read_rows(
-    pool: HostPool,
-    rows: Sequence[int],
-    keys: Sequence[OffloadKey],
-    generations: Sequence[int],
-    copy: Callable[[np.ndarray], T] = np.array,
-) -> tuple[T, list[SlotMeta]]:
-    """Whole rows (every rank's slot) sealed as key@generation, copied out as one array.
+    pool: HostPool, rows: Sequence[int], keys: Sequence[OffloadKey], generations: Sequence[int]
+) -> RowsRead:
+    """Whole rows (every rank's slot) sealed as key@generation: one (ranks, rows,
+    slot_bytes) array, and each row's metas as its headers said.
 
-    What a holder serves. `copy` takes the rows as one (ranks, rows, slot_bytes) array
-    and copies them wherever they go (the NodeAgent: into the object store). For
-    consecutive rows of a one-rank pool that array is a view of the pool, so the rows
-    are copied once; others are gathered first (one contiguous array: the object
-    store's copy of many small arrays is several times slower). Safe against a
-    concurrent writer: a row rewritten while it was copied gets meta None, and the
-    reader checks its bytes against the checksums in any case.
+    What a holder serves; the caller copies the array out (the NodeAgent: Ray, into the
+    object store, as the call's result). For consecutive rows the array is a view of the
+    pool, so the rows are copied once; others are gathered first (one contiguous array:
+    the object store's copy of many small arrays is several times slower). A row
+    rewritten after its header was read travels torn or as another block, and fails the
+    reader's check of every slot against the checksum in its meta: a miss, never data.
     """
     ranks = range(pool.layout.num_ranks)
     metas: list[SlotMeta] = []
@@ -75,11 +68,7 @@ def read_rows(
             data = np.ascontiguousarray(data)
     else:
         data = pool.payload[:, np.asarray(rows, dtype=np.int64)]
-    copied = copy(data)
-    for i, (row, key, gen) in enumerate(zip(rows, keys, generations)):
-        if metas[i] is not None and not all(pool.holds(rank, row, key, gen) for rank in ranks):
-            metas[i] = None
-    return copied, metas
+    return data, metas
 
 
 # wakes the Promoter's thread to collect a fetch

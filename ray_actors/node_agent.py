@@ -13,7 +13,7 @@ from distkv import metrics
 from distkv.abstract import OffloadKey
 from distkv.directory import ReplicaInfo, check_pool_namespace
 from distkv.pool import PoolLayout, PoolReaders
-from distkv.promotion import RowsRead, SlotMeta, read_rows
+from distkv.promotion import RowsRead, read_rows
 
 RAY_NAMESPACE = "distkv"
 # how often a NodeAgent closes the pools it no longer needs mapped (see PoolReaders)
@@ -24,11 +24,12 @@ PRUNE_INTERVAL_S = 5.0
 class NodeAgent:
     """Serves rows of a pool on this node to other nodes as one object in the object store.
 
-    The agent keeps the pools it reads mapped (PoolReaders). The rows go into the
-    object store as one array (straight from the pool when they are consecutive); the
-    object is owned by the agent, which outlives every read, and freed once the
-    requester drops it. Rows rewritten while they were copied are reported as not
-    checking out, and the requester checks every slot it receives against its checksum.
+    The object is a read's result: the rows and their headers, which Ray copies from the
+    pool into this node's object store (straight from it when the rows are consecutive).
+    The caller owns it, so it lives exactly as long as the read that needs it, and it
+    stays in the object store if the agent dies meanwhile. The agent keeps the pools it
+    reads mapped (PoolReaders). The requester checks every slot it receives against its
+    checksum: a row rewritten while it was copied is a miss.
     """
 
     def __init__(self) -> None:
@@ -45,8 +46,9 @@ class NodeAgent:
         keys: list[OffloadKey],
         generations: list[int],
         namespace: str,
-    ) -> tuple[list[ray.ObjectRef] | None, list[SlotMeta]]:
-        """([ref of the rows' slot bytes], metas); the ref is nested so the reply does not carry the bytes.
+    ) -> RowsRead:
+        """The rows' slots as one (ranks, rows, slot_bytes) array, and each row's metas;
+        (None, [None, ...]) if the pool is gone. See `distkv.promotion.read_rows`.
 
         Refuses (ValueError) a pool that is not a distkv segment of cache `namespace`, and
         a layout that is not one.
@@ -56,9 +58,11 @@ class NodeAgent:
             if pool is None:
                 self._served.record(len(rows), None)
                 return None, [None] * len(rows)
-            ref, metas = read_rows(pool, rows, keys, generations, copy=ray.put)
+            data, metas = read_rows(pool, rows, keys, generations)
         self._served.record(len(rows), metas)
-        return [ref], metas
+        # Ray copies `data` into the object store after this returns. Should the pool be
+        # closed meanwhile, `data` still maps its memory: closing leaves it to the GC.
+        return data, metas
 
     def _prune_pools(self) -> None:
         while True:
@@ -97,28 +101,7 @@ class AgentFetch:
         if agent is None:
             agent = ray.get_actor(agent_name(info.node_id), namespace=RAY_NAMESPACE)
             self._agents[info.node_id] = agent
-        reply = agent.read_rows.remote(
+        return agent.read_rows.remote(
             info.pool_name, (info.num_rows, info.num_ranks, info.slot_bytes), rows, keys, generations,
             namespace=self._namespace,
         ).future()
-        rows_read: Future[RowsRead] = Future()
-
-        def replied(reply: Future) -> None:
-            try:
-                refs, metas = reply.result()
-            except Exception as e:
-                rows_read.set_exception(e)
-                return
-            if refs is None:
-                rows_read.set_result((None, metas))
-                return
-            refs[0].future().add_done_callback(lambda data: fetched(data, metas))
-
-        def fetched(data: Future, metas: list[SlotMeta]) -> None:
-            try:
-                rows_read.set_result((data.result(), metas))
-            except Exception as e:
-                rows_read.set_exception(e)
-
-        reply.add_done_callback(replied)
-        return rows_read

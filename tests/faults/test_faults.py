@@ -250,9 +250,9 @@ def test_directory_and_node_agent_refuse_another_namespace(cluster, make_workloa
         ray.get(agent.read_rows.remote(pool, layout, [row], [key], [generation], namespace=other), timeout=30)
     with pytest.raises(ValueError, match="not a distkv pool segment name"):
         ray.get(agent.read_rows.remote("../../etc/passwd", layout, [row], [key], [generation], namespace=w.namespace), timeout=30)
-    refs, metas = ray.get(agent.read_rows.remote(pool, layout, [row], [key], [generation], namespace=w.namespace), timeout=30)
-    assert metas[0] is not None  # its own namespace is served
-    del refs
+    data, metas = ray.get(agent.read_rows.remote(pool, layout, [row], [key], [generation], namespace=w.namespace), timeout=30)
+    assert metas[0] is not None and data.shape[1] == 1  # its own namespace is served
+    del data
     ray.get(a.shutdown.remote(), timeout=60)
 
 

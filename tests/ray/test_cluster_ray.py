@@ -144,8 +144,8 @@ def test_node_agent_lets_go_of_a_removed_pool(ray_session):
     layout = (r.spec.layout.num_rows, r.spec.layout.num_ranks, r.spec.layout.slot_bytes)
     args = (r.spec.pool_name, layout, [row for row, _ in held], keys, [gen for _, gen in held])
     for _ in range(2):  # the second read finds the pool still mapped
-        refs, metas = ray.get(agent.read_rows.remote(*args, namespace=r.spec.namespace))
-        assert all(metas) and ray.get(refs[0]).shape[:2] == (1, 4)
+        data, metas = ray.get(agent.read_rows.remote(*args, namespace=r.spec.namespace))
+        assert all(metas) and data.shape[:2] == (1, 4)
     assert agents_mapping(r.spec.pool_name), "the agent did not keep the pool mapped"
     namespace = r.spec.namespace
     r.shutdown()

@@ -53,6 +53,7 @@ class PoolFetch:
             pool = HostPool(info.pool_name, layout_of(info), create=False)
             try:
                 data, metas = read_rows(pool, rows, keys, gens)
+                data = np.array(data)  # the agent's result is a copy in the object store
             finally:
                 pool.close()
             if self.corrupt:

@@ -214,7 +214,8 @@ def read_holder(info, rows, keys, gens):
     future: Future = Future()
     pool = HostPool(info.pool_name, layout_of(info), create=False)
     try:
-        future.set_result(read_rows(pool, rows, keys, gens))
+        data, metas = read_rows(pool, rows, keys, gens)
+        future.set_result((np.array(data), metas))
     finally:
         pool.close()
     return future
