@@ -54,7 +54,7 @@ class ClusterOffloadingManager(OffloadingManager):
             raise ValueError(f"promotion_timeout_s={promotion_timeout_s} must be positive")
         self.local = local
         local.landed = []
-        self._local_block = local.blocks.get
+        self._blocks = local.blocks
         self._view = link.view
         self.link = link
         self.promoter = promoter
@@ -88,7 +88,7 @@ class ClusterOffloadingManager(OffloadingManager):
         # As few steps as Python allows: a promotion in flight always has a local block,
         # so a key without one needs only the view.
         try:
-            block = self._local_block(key)
+            block = self._blocks.get(key)
         except TypeError:  # unhashable, so not bytes
             raise ValueError(key_problem(key)) from None
         if block is not None:

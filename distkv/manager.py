@@ -122,8 +122,8 @@ class LocalOffloadingManager(OffloadingManager):
     @property
     def blocks(self) -> Mapping[OffloadKey, _Block]:
         """The block table: key -> block (row, generation, refs: -1 while its store is in
-        flight). Read-only for others; it is never replaced, so a caller may bind its
-        `get` once (the cluster manager's lookup does)."""
+        flight). Read-only for others; it is never replaced, so a caller may keep it
+        (the cluster manager's lookup does)."""
         return self._blocks
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> bool | None:
