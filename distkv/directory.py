@@ -344,19 +344,27 @@ class DirectoryState:
         """The cursor of a follower that has seen every change so far."""
         return Cursor(self.epoch, self._log_start + len(self._log), self._replicas_version)
 
+    def has_news(self, cursor: Cursor | None, follower: str | None = None) -> bool:
+        """Whether `changes(cursor)` holds something besides `follower`'s own log entries:
+        a follower's link already knows what its replica published."""
+        now = self.cursor()
+        if cursor == now:
+            return False
+        position = self._position(cursor, now)
+        if position is None or cursor[2] != now.replicas_version:
+            return True
+        since = itertools.islice(reversed(self._log), now.position - position)
+        return any(entry[0] != follower for entry in since)
+
     def changes(self, cursor: Cursor | None) -> Changes:
         """The changes after `cursor` (None: from nothing), with the cursor that follows them."""
         now = self.cursor()
-        if cursor is not None:
-            try:
-                epoch, position, replicas_version = cursor
-            except (TypeError, ValueError):
-                raise ValueError(f"changes: cursor {cursor!r} is not an (epoch, position, replicas_version)") from None
-            if epoch == self.epoch and isinstance(position, int) and self._log_start <= position <= now.position:
-                entries = list(itertools.islice(reversed(self._log), now.position - position))
-                entries.reverse()
-                replicas = None if replicas_version == now.replicas_version else self._replica_infos()
-                return Changes(now, entries, replicas, False)
+        position = self._position(cursor, now)
+        if position is not None:
+            entries = list(itertools.islice(reversed(self._log), now.position - position))
+            entries.reverse()
+            replicas = None if cursor[2] == now.replicas_version else self._replica_infos()
+            return Changes(now, entries, replicas, False)
         self._ops["snapshots"] += 1
         holders = self._holders
         entries = []
@@ -369,6 +377,19 @@ class DirectoryState:
             ]
             entries.append((replica_id, replica.info.node_id, stored, []))
         return Changes(now, entries, self._replica_infos(), True)
+
+    def _position(self, cursor: Cursor | None, now: Cursor) -> int | None:
+        """Where in the log `cursor` stands; None when it needs a snapshot (None, another
+        epoch, or fallen off the log)."""
+        if cursor is None:
+            return None
+        try:
+            epoch, position, _ = cursor
+        except (TypeError, ValueError):
+            raise ValueError(f"changes: cursor {cursor!r} is not an (epoch, position, replicas_version)") from None
+        if epoch == self.epoch and isinstance(position, int) and self._log_start <= position <= now.position:
+            return position
+        return None
 
     def stats(self) -> dict[str, int]:
         """Sizes (keys, holders, replicas, log entries) and operation counts."""
@@ -692,7 +713,10 @@ class DirectoryLink:
             if now >= shard.poll_at:
                 try:
                     shard.polling = _Call(
-                        shard.actor.changes.remote(shard.view.cursor, POLL_TIMEOUT_S, namespace=self.namespace), self._wake.set
+                        shard.actor.changes.remote(
+                            shard.view.cursor, POLL_TIMEOUT_S, namespace=self.namespace, follower=self.info.replica_id
+                        ),
+                        self._wake.set,
                     )
                 except Exception as e:
                     self._poll_failed(shard, now, e)

@@ -90,14 +90,19 @@ class DirectoryShard:
         self._check(namespace)
         return pack(self._state.query(keys))
 
-    async def changes(self, cursor: Cursor | None, timeout_s: float, namespace: str) -> bytes:
-        """The packed changes after `cursor`, waiting up to `timeout_s` for one when there are none yet."""
+    async def changes(self, cursor: Cursor | None, timeout_s: float, namespace: str, follower: str | None = None) -> bytes:
+        """The packed changes after `cursor`, once they hold something besides the
+        `follower` replica's own (which its link knows already), or after `timeout_s`."""
         self._check(namespace)
-        if cursor == self._state.cursor():
+        deadline = time.monotonic() + timeout_s
+        while not self._state.has_news(cursor, follower):
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
             try:
-                await asyncio.wait_for(self._changed.wait(), timeout_s)
+                await asyncio.wait_for(self._changed.wait(), remaining)
             except asyncio.TimeoutError:
-                pass
+                break
         return pack(self._state.changes(cursor))
 
     async def stats(self) -> dict[str, int | str]:

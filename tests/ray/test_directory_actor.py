@@ -5,7 +5,7 @@ import uuid
 import pytest
 import ray
 
-from distkv.directory import DirectoryLink, Holder, ReplicaInfo, pack, shard_of
+from distkv.directory import DirectoryLink, Holder, ReplicaInfo, pack, shard_of, unpack
 from ray_actors.directory import get_or_create_shards, kill_shards
 
 pytestmark = pytest.mark.usefixtures("ray_session")
@@ -77,6 +77,21 @@ def test_store_and_removal_on_one_replica_show_in_anothers_view(make_link):
     wait_for(lambda: visible(a, keys[:1], "b"), 2)
     assert [h.replica_id for h in b.query(keys[:1])[0]] == ["b"]
     assert visible(b, keys[10:], "a")
+
+
+def test_a_long_poll_does_not_wake_for_the_followers_own_publish(namespace):
+    (shard,) = get_or_create_shards(namespace, 1)
+    node_id = ray.get_runtime_context().get_node_id()
+    for replica_id in ("a", "b"):
+        info = ReplicaInfo(replica_id, node_id, f"pool-{replica_id}", 64, 1, 4096)
+        ray.get(shard.register.remote(info, 1, pack([]), namespace=namespace))
+    cursor = unpack(ray.get(shard.changes.remote(None, 0.0, namespace=namespace))).cursor
+    polls = {follower: shard.changes.remote(cursor, 1.5, namespace=namespace, follower=follower) for follower in "ab"}
+    ray.get(shard.publish.remote("a", 2, pack(([(new_keys(1)[0], 3, 30)], [])), None, namespace=namespace))
+    ready, _ = ray.wait(list(polls.values()), num_returns=2, timeout=0.75)
+    assert ready == [polls["b"]]  # b's poll answered at once; a's waits for news of others, or its timeout
+    for ref in polls.values():
+        assert [entry[0] for entry in unpack(ray.get(ref)).entries] == ["a"]
 
 
 def test_restarted_directory_is_refilled_by_the_links(make_link, namespace):

@@ -181,6 +181,24 @@ def test_changes_after_cursor_are_incremental(state):
     assert set(state.changes(view.cursor).replicas) == {"a", "b", "c"}
 
 
+def test_a_follower_has_no_news_in_its_own_changes(state):
+    # what a replica published itself does not wake its link's long poll
+    view = ShardView()
+    follow(state, view)
+    assert not state.has_news(view.cursor) and not state.has_news(view.cursor, "a")
+    state.publish("a", 1, [(key(1), 3, 30)], [])
+    state.publish("a", 2, [], [key(1)])
+    assert not state.has_news(view.cursor, "a")
+    assert state.has_news(view.cursor, "b") and state.has_news(view.cursor)
+    state.publish("b", 1, [(key(2), 1, 10)], [])
+    assert state.has_news(view.cursor, "a")  # one of b's among a's own
+    follow(state, view)
+    state.register(info("c"))  # the set of replicas changed: everyone's news
+    assert state.has_news(view.cursor, "c")
+    assert state.has_news(None, "a")  # a snapshot is always news
+    assert state.has_news(Cursor("another-epoch", 0, 0), "a")
+
+
 def test_cursor_off_a_truncated_log_gets_a_snapshot(clock):
     s = DirectoryState(log_capacity=4, clock=clock)
     s.register(info("a"))
