@@ -91,9 +91,9 @@ class Promoter:
     # A fetch from another node asks for at most this many bytes (one row at least), so
     # that the holder's copy into the object store, the transfer and the checked copy
     # here of successive fetches overlap instead of running one after the other. Each
-    # fetch also costs an actor call, an object and a concurrent put at the holder: in
-    # steady state 128 MiB took 156 ms in 16 MiB fetches, 139 in 32, 114 in 64 and 113
-    # in one (bench/promote.py, two simulated nodes sharing two cores).
+    # fetch also costs an actor call, an object and a concurrent copy at the holder:
+    # 128 MiB took 120 ms in 32 MiB fetches, 107 in 64 and 112 in one (bench/promote.py,
+    # steady state, two simulated nodes sharing two cores).
     FETCH_BYTES = 64 << 20
     # The thread wakes when a promotion is submitted or a fetch completes, and at least
     # this often to fail the promotions past their deadline.
