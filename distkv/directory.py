@@ -221,6 +221,10 @@ class DirectoryState:
         self._log: collections.deque[LogEntry] = collections.deque()
         self._log_start = 0  # position of _log[0]
         self._log_keys = 0
+        # the position and replica of the latest entry, and the position of the latest
+        # entry by another replica than that: `has_news` in O(1)
+        self._last_entry: tuple[int, str | None] = (-1, None)
+        self._last_other = -1
         self._ops = collections.Counter()
 
     def register(self, info: ReplicaInfo) -> None:
@@ -353,8 +357,8 @@ class DirectoryState:
         position = self._position(cursor, now)
         if position is None or cursor[2] != now.replicas_version:
             return True
-        since = itertools.islice(reversed(self._log), now.position - position)
-        return any(entry[0] != follower for entry in since)
+        last_position, last_replica = self._last_entry
+        return (self._last_other if last_replica == follower else last_position) >= position
 
     def changes(self, cursor: Cursor | None) -> Changes:
         """The changes after `cursor` (None: from nothing), with the cursor that follows them."""
@@ -417,6 +421,10 @@ class DirectoryState:
 
     def _append(self, entry: LogEntry) -> None:
         log = self._log
+        last_position, last_replica = self._last_entry
+        if entry[0] != last_replica:
+            self._last_other = last_position
+        self._last_entry = (self._log_start + len(log), entry[0])
         log.append(entry)
         self._log_keys += len(entry[2]) + len(entry[3])
         while self._log_keys > self._log_capacity and len(log) > 1:

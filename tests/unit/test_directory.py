@@ -199,6 +199,23 @@ def test_a_follower_has_no_news_in_its_own_changes(state):
     assert state.has_news(Cursor("another-epoch", 0, 0), "a")
 
 
+@settings(max_examples=200, deadline=None)
+@given(publishers=st.lists(st.sampled_from("abc"), max_size=12), seen=st.integers(0, 12), follower=st.sampled_from("abc"))
+def test_has_news_is_whether_another_replica_published_since_the_cursor(publishers, seen, follower):
+    s = DirectoryState()
+    for replica_id in "abc":
+        s.register(info(replica_id))
+    seqs = dict.fromkeys("abc", 0)
+    cursor = s.cursor()
+    for i, replica_id in enumerate(publishers):
+        if i == seen:
+            cursor = s.cursor()
+        seqs[replica_id] += 1
+        s.publish(replica_id, seqs[replica_id], [(key(i), i % 16, i)], [])
+    since = [entry[0] for entry in s.changes(cursor).entries]
+    assert s.has_news(cursor, follower) == any(replica_id != follower for replica_id in since)
+
+
 def test_cursor_off_a_truncated_log_gets_a_snapshot(clock):
     s = DirectoryState(log_capacity=4, clock=clock)
     s.register(info("a"))
