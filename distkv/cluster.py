@@ -269,6 +269,8 @@ class ClusterOffloadingManager(OffloadingManager):
         if succeeded:
             stored = self.local.blocks_stored
             self.local.complete_store(succeeded, self._promotion_ctx, success=True)
+            self.link.promoted(self.local.landed)
+            self.local.landed = []
             self._promoted_stored += self.local.blocks_stored - stored
         if failed:
             self.local.complete_store(failed, self._promotion_ctx, success=False)

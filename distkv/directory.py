@@ -482,9 +482,13 @@ class ShardView:
 
 
 # what an item of a link's inbox holds
-_STORED, _READY, _REMOVED = range(3)
+_STORED, _READY, _PROMOTED, _REMOVED = range(4)
 # The link flushes a shard's pending changes at most this often, so they travel in batches.
 FLUSH_INTERVAL_S = 0.003
+# Promoted blocks wait up to this long for a batch of their own (any other change takes
+# them along sooner): their keys have a holder already, and a promotion is usually one
+# of a burst whose transfers need the CPU and network more than the Directory does.
+PROMOTED_FLUSH_DELAY_S = 0.25
 # An idle link publishes an empty batch this often, so the Directory knows it is alive.
 HEARTBEAT_INTERVAL_S = 0.5
 # How long a shard holds a change poll open when nothing changes.
@@ -525,6 +529,7 @@ class _Shard:
         self.reported_at = -float("inf")  # when the replica's stats last went with a publish
         self.held: dict[OffloadKey, tuple[int, int]] = {}  # this replica's blocks in the shard
         self.pending: dict[OffloadKey, tuple[int, int] | None] = {}  # not yet published; None: removed
+        self.flush_at = float("inf")  # when pending is due to go (FLUSH_INTERVAL_S apart at most)
         self.seq = 0
         self.publishing: _Call | None = None
         self.failed_batch: tuple | None = None  # (seq, stored, removed) to send again
@@ -610,6 +615,11 @@ class DirectoryLink:
         every batch it takes in any case). `blocks` is not copied. Never blocks."""
         self._queue(_READY, blocks)
 
+    def promoted(self, blocks: Sequence[tuple[OffloadKey, ReadyBlock]]) -> None:
+        """`ready` for blocks promoted from another holder: published within
+        PROMOTED_FLUSH_DELAY_S, or with the next other change. Never blocks."""
+        self._queue(_PROMOTED, blocks)
+
     def removed(self, keys: Sequence[OffloadKey]) -> None:
         """Queue keys this replica no longer holds. Never blocks."""
         keys = tuple(keys)
@@ -686,10 +696,12 @@ class DirectoryLink:
         inbox = self._inbox
         shards = self._shards
         num_shards = self.num_shards
+        only_promoted = True
         while inbox:
             what, items = inbox.popleft()
+            only_promoted = only_promoted and what == _PROMOTED
             if what != _REMOVED:
-                if what == _READY:
+                if what != _STORED:
                     items = ((key, block.row, block.generation) for key, block in items)
                 for key, row, generation in items:
                     shard = shards[int.from_bytes(key[:8], "big") % num_shards]
@@ -700,9 +712,13 @@ class DirectoryLink:
                     shard.held.pop(key, None)
                     shard.pending[key] = None
         now = time.monotonic()
+        flush_at = now + PROMOTED_FLUSH_DELAY_S if only_promoted else now
         for shard in shards:
-            if shard.pending and shard.pending_since is None:
-                shard.pending_since = now
+            if shard.pending:
+                shard.flush_at = min(shard.flush_at, flush_at)
+                # the event lag is that of stores and removals, not of promoted blocks held back
+                if shard.pending_since is None and not only_promoted:
+                    shard.pending_since = now
 
     def _service(self, shard: _Shard, now: float) -> float:
         """Collect the shard's finished calls and start the next ones; when it next needs attention."""
@@ -739,6 +755,7 @@ class DirectoryLink:
             shard.resync_at = None
             shard.failed_batch = None
             shard.pending.clear()
+            shard.flush_at = float("inf")
             shard.pending_since = shard.batch_since = None
             shard.seq += 1
             stored = [(key, row, generation) for key, (row, generation) in shard.held.items()]
@@ -751,8 +768,9 @@ class DirectoryLink:
             self._send(shard, "publish", batch, now)
             return now + HEARTBEAT_INTERVAL_S
         if shard.pending:
-            if now < shard.last_sent + FLUSH_INTERVAL_S:
-                return shard.last_sent + FLUSH_INTERVAL_S
+            due = min(max(shard.last_sent + FLUSH_INTERVAL_S, shard.flush_at), shard.last_sent + HEARTBEAT_INTERVAL_S)
+            if now < due:
+                return due
         elif now < shard.last_sent + HEARTBEAT_INTERVAL_S:
             return shard.last_sent + HEARTBEAT_INTERVAL_S
         stored = []
@@ -763,6 +781,7 @@ class DirectoryLink:
             else:
                 stored.append((key, *block))
         shard.pending.clear()
+        shard.flush_at = float("inf")
         shard.batch_since, shard.pending_since = shard.pending_since, None
         shard.seq += 1
         self._send(shard, "publish", (shard.seq, stored, removed), now)

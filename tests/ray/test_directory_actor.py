@@ -1,11 +1,12 @@
 import os
 import time
 import uuid
+from typing import NamedTuple
 
 import pytest
 import ray
 
-from distkv.directory import DirectoryLink, Holder, ReplicaInfo, pack, shard_of, unpack
+from distkv.directory import PROMOTED_FLUSH_DELAY_S, DirectoryLink, Holder, ReplicaInfo, pack, shard_of, unpack
 from ray_actors.directory import get_or_create_shards, kill_shards
 
 pytestmark = pytest.mark.usefixtures("ray_session")
@@ -19,6 +20,13 @@ def wait_for(predicate, timeout_s: float) -> float:
             pytest.fail(f"not true within {timeout_s} s")
         time.sleep(0.005)
     return time.monotonic() - start
+
+
+class Block(NamedTuple):
+    """What `DirectoryLink.ready` and `promoted` read of a block."""
+
+    row: int
+    generation: int
 
 
 def new_keys(n: int) -> list[bytes]:
@@ -92,6 +100,19 @@ def test_a_long_poll_does_not_wake_for_the_followers_own_publish(namespace):
     assert ready == [polls["b"]]  # b's poll answered at once; a's waits for news of others, or its timeout
     for ref in polls.values():
         assert [entry[0] for entry in unpack(ray.get(ref)).entries] == ["a"]
+
+
+def test_promoted_blocks_are_published_late_unless_something_else_goes(make_link):
+    a, b = make_link("a", num_shards=1), make_link("b", num_shards=1)
+    keys = new_keys(4)
+    a.stored([(keys[0], 0, 1)])  # a just sent a batch: its next heartbeat is 0.5 s away
+    wait_for(lambda: visible(b, keys[:1], "a"), 10)
+    a.promoted([(keys[1], Block(1, 2))])
+    assert wait_for(lambda: visible(b, keys[1:2], "a"), 5) >= PROMOTED_FLUSH_DELAY_S * 0.8  # held back
+    a.promoted([(keys[2], Block(2, 3))])
+    a.stored([(keys[3], 3, 4)])  # goes at once, and takes the promoted block along
+    wait_for(lambda: visible(b, keys[3:], "a"), 5)
+    assert visible(b, keys[2:3], "a")
 
 
 def test_restarted_directory_is_refilled_by_the_links(make_link, namespace):
