@@ -269,8 +269,9 @@ class ClusterOffloadingManager(OffloadingManager):
         if succeeded:
             stored = self.local.blocks_stored
             self.local.complete_store(succeeded, self._promotion_ctx, success=True)
-            self.link.promoted(self.local.landed)
-            self.local.landed = []
+            if self.local.landed:
+                self.link.promoted(self.local.landed)
+                self.local.landed = []
             self._promoted_stored += self.local.blocks_stored - stored
         if failed:
             self.local.complete_store(failed, self._promotion_ctx, success=False)
