@@ -104,6 +104,12 @@ def test_metrics_endpoint_serves_what_the_workload_did(replicas):
     promoted = b.serve(tokens)  # 32 same-node promotions; the engine asks again until they are done
     assert promoted.hit_blocks == 32
     assert b.serve(tokens).hit_blocks == 32  # now B's own: 32 local hits
+    # B publishes its copies within PROMOTED_FLUSH_DELAY_S: let them reach the Directory before
+    # some are evicted, so that the Directory counts each store and each removal once
+    deadline = time.monotonic() + 10
+    while not all(any(h.replica_id == b.spec.replica_id for h in a.manager.link.holders(k)) for k in keys):
+        assert time.monotonic() < deadline, "B's promoted blocks never showed in A's view"
+        time.sleep(0.005)
     assert b.serve(prompt(3)).stored_blocks == 32  # 1 miss; 16 of the shared blocks evicted for room
     too_big = block_keys(prompt(2, blocks=POOL_BLOCKS + 1), BLOCK_TOKENS)
     assert a.manager.prepare_store(too_big, ReqContext("too-big")) is None  # one store_rejected error
