@@ -50,11 +50,12 @@ def read_rows(
     slot_bytes) array, and each row's metas as its headers said.
 
     What a holder serves; the caller copies the array out (the NodeAgent: Ray, into the
-    object store, as the call's result). For consecutive rows the array is a view of the
-    pool, so the rows are copied once; others are gathered first (one contiguous array:
-    the object store's copy of many small arrays is several times slower). A row
-    rewritten after its header was read travels torn or as another block, and fails the
-    reader's check of every slot against the checksum in its meta: a miss, never data.
+    object store, as the call's result). For consecutive rows of a one-rank pool the
+    array is a view of the pool, so the rows are copied once; others are gathered first
+    (one contiguous array: the object store's copy of many small arrays is several times
+    slower). A row rewritten after its header was read travels torn or as another block,
+    and fails the reader's check of every slot against the checksum in its meta: a miss,
+    never data.
     """
     ranks = range(pool.layout.num_ranks)
     metas: list[SlotMeta] = []

@@ -25,7 +25,7 @@ class NodeAgent:
     """Serves rows of a pool on this node to other nodes as one object in the object store.
 
     The object is a read's result: the rows and their headers, which Ray copies from the
-    pool into this node's object store (straight from it when the rows are consecutive).
+    pool into this node's object store (straight from it for consecutive rows of one rank).
     The caller owns it, so it lives exactly as long as the read that needs it, and it
     stays in the object store if the agent dies meanwhile. The agent keeps the pools it
     reads mapped (PoolReaders). The requester checks every slot it receives against its
