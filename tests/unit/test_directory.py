@@ -1,3 +1,4 @@
+import hashlib
 import os
 
 import pytest
@@ -292,7 +293,8 @@ def test_followers_replaying_changes_match_the_state(program, log_capacity):
 
 
 def test_shard_of_spreads_hashed_keys():
-    keys = [os.urandom(32) + b"\0\0\0\0" for _ in range(20000)]
+    # block hashes, fixed: with random keys the 5% bound (2.9 sigma at 7 shards) failed 1 run in 40
+    keys = [hashlib.sha256(i.to_bytes(8, "big")).digest() + b"\0\0\0\0" for i in range(20000)]
     for num_shards in (1, 2, 4, 7):
         counts = [0] * num_shards
         for k in keys:
