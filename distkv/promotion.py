@@ -32,8 +32,8 @@ logger = logging.getLogger(__name__)
 # Per row, per rank: (nbytes, checksum) of a sealed slot; None for a row that did not
 # check out at the holder.
 SlotMeta = list[tuple[int, int]] | None
-# The rows' slots as one (ranks, rows, slot_bytes) array (None when none could be read),
-# and each row's metas: the bytes of a row whose meta is None are not to be used.
+# Each asked-for row's metas, and the slots of the rows whose metas are not None, in the
+# order asked, as one (ranks, rows, slot_bytes) array (None when there are none).
 RowsRead = tuple[np.ndarray | None, list[SlotMeta]]
 # fetch(holder's replica info, rows, keys, generations) -> future of RowsRead
 RemoteFetch = Callable[[ReplicaInfo, list[int], list[OffloadKey], list[int]], "Future[RowsRead]"]
@@ -46,30 +46,42 @@ def layout_of(info: ReplicaInfo) -> PoolLayout:
 def read_rows(
     pool: HostPool, rows: Sequence[int], keys: Sequence[OffloadKey], generations: Sequence[int]
 ) -> RowsRead:
-    """Whole rows (every rank's slot) sealed as key@generation: one (ranks, rows,
-    slot_bytes) array, and each row's metas as its headers said.
+    """What a holder serves: each row's metas as its headers said, and the slots of the
+    rows sealed as key@generation; a row that is not goes out as its None meta only.
 
-    What a holder serves; the caller copies the array out (the NodeAgent: Ray, into the
-    object store, as the call's result). For consecutive rows of a one-rank pool the
-    array is a view of the pool, so the rows are copied once; others are gathered first
-    (one contiguous array: the object store's copy of many small arrays is several times
-    slower). A row rewritten after its header was read travels torn or as another block,
-    and fails the reader's check of every slot against the checksum in its meta: a miss,
-    never data.
+    The caller copies the array out (the NodeAgent: Ray, into the object store, as the
+    call's result). For consecutive rows of a one-rank pool the array is a view of the
+    pool, so the rows are copied once; others are gathered first (one contiguous array:
+    the object store's copy of many small arrays is several times slower). A row
+    rewritten after its header was read travels torn or as another block, and fails the
+    reader's check of every slot against the checksum in its meta: a miss, never data.
     """
     ranks = range(pool.layout.num_ranks)
     metas: list[SlotMeta] = []
     for row, key, gen in zip(rows, keys, generations):
         meta = [pool.sealed(rank, row, key, gen) for rank in ranks]
         metas.append(None if None in meta else meta)
-    first = rows[0] if rows else 0
-    if list(rows) == list(range(first, first + len(rows))):
-        data = pool.payload[:, first : first + len(rows)]
+    sealed = [row for row, meta in zip(rows, metas) if meta is not None]
+    if not sealed:
+        return None, metas
+    first = sealed[0]
+    if sealed == list(range(first, first + len(sealed))):
+        data = pool.payload[:, first : first + len(sealed)]
         if not data.flags.c_contiguous:
             data = np.ascontiguousarray(data)
     else:
-        data = pool.payload[:, np.asarray(rows, dtype=np.int64)]
+        data = pool.payload[:, np.asarray(sealed, dtype=np.int64)]
     return data, metas
+
+
+def shipped_index(metas: Sequence[SlotMeta]) -> list[int | None]:
+    """Where each row of a RowsRead is in its array: None for a row that was not shipped."""
+    index: list[int | None] = []
+    shipped = 0
+    for meta in metas:
+        index.append(None if meta is None else shipped)
+        shipped += meta is not None
+    return index
 
 
 # wakes the Promoter's thread to collect a fetch
@@ -268,10 +280,11 @@ class Promoter:
                 logger.warning("promotion from %s failed: %s", info.replica_id, e)
                 self._finish(promotions, False, "cross_node", "promotion_fetch", f"from {info.replica_id}: {e}")
                 continue
+            shipped = shipped_index(metas)
             for p in promotions:
                 i = index[p.key]
                 ok = metas[i] is not None and self._write_local(
-                    p, lambda rank, out, i=i: _copy_checked(data[rank, i], metas[i][rank], out)
+                    p, lambda rank, out, i=i: _copy_checked(data[rank, shipped[i]], metas[i][rank], out)
                 )
                 if ok:
                     self.bytes_cross_node += sum(n for n, _ in metas[i])
