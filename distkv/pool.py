@@ -29,6 +29,7 @@ import logging
 import mmap
 import os
 import re
+import struct
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -46,12 +47,14 @@ SHM_DIR = "/dev/shm"
 SEGMENT_PREFIX = "distkv-"
 MAGIC = b"DISTKV\x00\x01"
 HEADER_BYTES = 128
-MAX_KEY_BYTES = HEADER_BYTES - 32
 # cudaHostRegister fails on very large ranges; pin in pieces of at most this size.
 MAX_PIN_BYTES = 64 << 30
 
 # header layout, as uint64 words: generation, checksum, nbytes, key_len; key bytes follow
 _GEN, _SUM, _NBYTES, _KEYLEN = range(4)
+_HEADER_WORDS = struct.Struct("<4Q")
+_KEY_OFFSET = _HEADER_WORDS.size
+MAX_KEY_BYTES = HEADER_BYTES - _KEY_OFFSET
 _NAME_RE = re.compile(r"^[A-Za-z0-9_.]+$")
 
 
@@ -358,39 +361,47 @@ class HostPool:
             words[row, _SUM] = checksum(self.payload[rank, row, :nbytes]) if known is None else known
             words[row, _NBYTES] = nbytes
             words[row, _KEYLEN] = len(key)
-            self._headers[rank, row, 32 : 32 + len(key)] = np.frombuffer(key, dtype=np.uint8)
+            self._headers[rank, row, _KEY_OFFSET : _KEY_OFFSET + len(key)] = np.frombuffer(key, dtype=np.uint8)
             words[row, _GEN] = gen
 
     def generation(self, rank: int, row: int) -> int:
         return int(self._words[rank, row, _GEN])
 
-    def holds(self, rank: int, row: int, key: bytes, generation: int) -> bool:
-        """Cheap check: the header names this key at this generation."""
-        words = self._words[rank, row]
-        return (
-            generation != 0
-            and int(words[_GEN]) == generation
-            and int(words[_KEYLEN]) == len(key)
-            and self._headers[rank, row, 32 : 32 + len(key)].tobytes() == key
-        )
-
-    def verify(self, rank: int, row: int, key: bytes, generation: int) -> bool:
-        """Full check in place: header names key@generation and the payload matches its checksum."""
-        if not self.holds(rank, row, key, generation):
-            return False
-        words = self._words[rank, row]
-        ok = checksum(self.payload[rank, row, : int(words[_NBYTES])]) == int(words[_SUM])
-        return ok and int(words[_GEN]) == generation
-
     def sealed(self, rank: int, row: int, key: bytes, generation: int) -> tuple[int, int] | None:
         """(nbytes, checksum) the slot's header holds for key@generation, or None.
 
-        What a reader checks its copy against: the header alone says nothing of the payload.
+        The one way to read a header, a seqlock: the generation, then a copy of the whole
+        header, then the generation again. Writers zero the generation before they touch
+        a slot and write it last, and no generation is sealed twice, so an unchanged
+        nonzero generation means the copy is of one sealed header, never of one half
+        rewritten or of the block sealed next in the row. It says nothing of the payload:
+        a reader accepts bytes only if they match the checksum, and one that reads the
+        payload in place re-checks the generation after its copy.
         """
-        if not self.holds(rank, row, key, generation):
+        if not generation:
             return None
         words = self._words[rank, row]
-        return int(words[_NBYTES]), int(words[_SUM])
+        if words[_GEN] != generation:
+            return None
+        header = self._headers[rank, row].tobytes()
+        if words[_GEN] != generation:
+            return None
+        _, digest, nbytes, key_len = _HEADER_WORDS.unpack_from(header)
+        if key_len != len(key) or header[_KEY_OFFSET : _KEY_OFFSET + key_len] != key:
+            return None
+        return nbytes, digest
+
+    def holds(self, rank: int, row: int, key: bytes, generation: int) -> bool:
+        """Cheap check: the header names this key at this generation."""
+        return self.sealed(rank, row, key, generation) is not None
+
+    def verify(self, rank: int, row: int, key: bytes, generation: int) -> bool:
+        """Full check in place: header names key@generation and the payload matches its checksum."""
+        meta = self.sealed(rank, row, key, generation)
+        if meta is None:
+            return False
+        nbytes, expected = meta
+        return checksum(self.payload[rank, row, :nbytes]) == expected and self.generation(rank, row) == generation
 
     def read(self, rank: int, row: int, key: bytes, generation: int, out: np.ndarray) -> tuple[int, int] | None:
         """Copy a sealed slot into out: (nbytes, checksum), or None if it is not key@generation.
