@@ -9,7 +9,8 @@ at under 1 GB/s on a 2-core machine.)
 Both directions checksum each pool row as they copy it, a cache-sized chunk at a time,
 so the hash reads bytes the copy just left in L2 instead of reading the row from memory
 a second time: the copy is memory-bound and the hash then comes almost free. A store
-seals rows with these checksums; a load checks the rows it read against theirs.
+seals rows with the checksums of what it wrote; a load checks what it delivered against
+the checksums the rows were sealed with.
 """
 
 from __future__ import annotations
@@ -46,8 +47,11 @@ class _Copies:
         self._to_pool = to_pool
 
     def wait(self) -> dict[int, tuple[int, int]]:
-        """Copy the runs, hashing the pool side of every row they cover from its start
-        without gaps: {row: (bytes hashed, xxh3 of them)}."""
+        """Copy the runs, hashing what they wrote of every row they cover from its start
+        without gaps: {row: (bytes hashed, xxh3 of them)}.
+
+        A load hashes the bytes it delivered, not the pool's, which a writer could change
+        between the copy and the hash: what is checked is what the KV cache got."""
         runs, self._runs = self._runs, []
         slot, chunk, to_pool = self._slot_bytes, COPY_CHUNK_BYTES, self._to_pool
         hashed: dict[int, list] = {}  # row -> [bytes hashed so far, hasher]
@@ -60,13 +64,15 @@ class _Copies:
                 pool = self._pool[pool_offset : pool_offset + n]
                 if to_pool:
                     pool[:] = kv[tensor_offset : tensor_offset + n]
+                    written = pool
                 else:
-                    kv[tensor_offset : tensor_offset + n] = pool
+                    written = kv[tensor_offset : tensor_offset + n]
+                    written[:] = pool
                 state = hashed.get(row)
                 if state is None and within == 0:
                     state = hashed[row] = [0, xxhash.xxh3_64()]
                 if state is not None and state[0] == within:
-                    state[1].update(memoryview(pool))
+                    state[1].update(memoryview(written))
                     state[0] += n
                 elif state is not None:
                     del hashed[row]  # a gap: this row is hashed apart
