@@ -492,7 +492,7 @@ class NodeAgentSource:
             served, nbytes = 0, 0
         else:
             served = sum(1 for meta in metas if meta is not None)
-            nbytes = sum(n for meta in metas if meta is not None for n, _ in meta)
+            nbytes = sum(slot.nbytes for meta in metas if meta is not None for slot in meta)
         with self._lock:
             self.reads += 1
             self.bytes += nbytes

@@ -10,8 +10,8 @@ A row holds one offloaded block; each worker rank writes its own slot of the row
 Slots of one rank are contiguous (rank-major) so that a worker pins only its own region
 and consecutive rows coalesce into one copy.
 
-Every slot has a header (key, generation, checksum of its payload) that any reader
-can validate. Writers zero the generation before touching the payload and write it
+Every slot has a header (key, generation, checksum of its payload, the sub-blocks
+written) that any reader can validate. Writers zero the generation before touching the payload and write it
 last; a reader that sees the generation it expects before and after its copy, and a
 matching checksum, has read the block that was sealed, never a torn or reused one.
 
@@ -34,6 +34,7 @@ import threading
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import xxhash
@@ -45,17 +46,31 @@ logger = logging.getLogger(__name__)
 PAGE_BYTES = mmap.PAGESIZE
 SHM_DIR = "/dev/shm"
 SEGMENT_PREFIX = "distkv-"
-MAGIC = b"DISTKV\x00\x01"
+MAGIC = b"DISTKV\x00\x02"
 HEADER_BYTES = 128
 # cudaHostRegister fails on very large ranges; pin in pieces of at most this size.
 MAX_PIN_BYTES = 64 << 30
 
-# header layout, as uint64 words: generation, checksum, nbytes, key_len; key bytes follow
-_GEN, _SUM, _NBYTES, _KEYLEN = range(4)
-_HEADER_WORDS = struct.Struct("<4Q")
+# header layout, as uint64 words: generation, checksum, nbytes, key_len, filled; key bytes follow
+_GEN, _SUM, _NBYTES, _KEYLEN, _FILLED = range(5)
+_HEADER_WORDS = struct.Struct("<5Q")
 _KEY_OFFSET = _HEADER_WORDS.size
 MAX_KEY_BYTES = HEADER_BYTES - _KEY_OFFSET
 _NAME_RE = re.compile(r"^[A-Za-z0-9_.]+$")
+# `filled` of a slot written whole: every sub-block
+ALL_SUB_BLOCKS = (1 << 64) - 1
+
+
+class Sealed(NamedTuple):
+    """What a slot's header says of the block sealed in it.
+
+    filled: bit i set for each sub-block i of the slot the block's writer wrote (the
+    handlers' unit: one GPU block of each ref); a reader may deliver no other sub-block.
+    """
+
+    nbytes: int
+    checksum: int
+    filled: int
 
 
 def page_align(nbytes: int) -> int:
@@ -347,11 +362,13 @@ class HostPool:
         generations: np.ndarray,
         nbytes: int,
         checksums: Sequence[int | None] | None = None,
+        filled: Sequence[int] | None = None,
     ) -> None:
         """Write the headers of freshly written rows: checksum and key first, generation last.
 
         `checksums`, the xxh3 of rows the caller hashed as it wrote or verified them
-        (None: hash that row here), saves reading them again.
+        (None: hash that row here), saves reading them again. `filled`: each row's
+        sub-blocks written (see Sealed); None: all of them.
         """
         words = self._words[rank]
         for i, (row, key, gen) in enumerate(zip(rows.tolist(), keys, generations.tolist())):
@@ -360,6 +377,7 @@ class HostPool:
             known = None if checksums is None else checksums[i]
             words[row, _SUM] = checksum(self.payload[rank, row, :nbytes]) if known is None else known
             words[row, _NBYTES] = nbytes
+            words[row, _FILLED] = ALL_SUB_BLOCKS if filled is None else filled[i]
             words[row, _KEYLEN] = len(key)
             self._headers[rank, row, _KEY_OFFSET : _KEY_OFFSET + len(key)] = np.frombuffer(key, dtype=np.uint8)
             words[row, _GEN] = gen
@@ -367,8 +385,8 @@ class HostPool:
     def generation(self, rank: int, row: int) -> int:
         return int(self._words[rank, row, _GEN])
 
-    def sealed(self, rank: int, row: int, key: bytes, generation: int) -> tuple[int, int] | None:
-        """(nbytes, checksum) the slot's header holds for key@generation, or None.
+    def sealed(self, rank: int, row: int, key: bytes, generation: int) -> Sealed | None:
+        """What the slot's header says of the block sealed as key@generation, or None.
 
         The one way to read a header, a seqlock: the generation, then a copy of the whole
         header, then the generation again. Writers zero the generation before they touch
@@ -386,10 +404,10 @@ class HostPool:
         header = self._headers[rank, row].tobytes()
         if words[_GEN] != generation:
             return None
-        _, digest, nbytes, key_len = _HEADER_WORDS.unpack_from(header)
+        _, digest, nbytes, key_len, filled = _HEADER_WORDS.unpack_from(header)
         if key_len != len(key) or header[_KEY_OFFSET : _KEY_OFFSET + key_len] != key:
             return None
-        return nbytes, digest
+        return Sealed(nbytes, digest, filled)
 
     def holds(self, rank: int, row: int, key: bytes, generation: int) -> bool:
         """Cheap check: the header names this key at this generation."""
@@ -400,20 +418,18 @@ class HostPool:
         meta = self.sealed(rank, row, key, generation)
         if meta is None:
             return False
-        nbytes, expected = meta
-        return checksum(self.payload[rank, row, :nbytes]) == expected and self.generation(rank, row) == generation
+        return checksum(self.payload[rank, row, : meta.nbytes]) == meta.checksum and self.generation(rank, row) == generation
 
-    def read(self, rank: int, row: int, key: bytes, generation: int, out: np.ndarray) -> tuple[int, int] | None:
-        """Copy a sealed slot into out: (nbytes, checksum), or None if it is not key@generation.
+    def read(self, rank: int, row: int, key: bytes, generation: int, out: np.ndarray) -> Sealed | None:
+        """Copy a sealed slot into out: what its header says, or None if it is not key@generation.
 
         Safe against a concurrent writer: the copy is checked, not the pool.
         """
         meta = self.sealed(rank, row, key, generation)
-        if meta is None or meta[0] > out.nbytes:
+        if meta is None or meta.nbytes > out.nbytes:
             return None
-        nbytes, expected = meta
-        copied = copy_checksum(out[:nbytes], self.payload[rank, row, :nbytes])
-        if self.generation(rank, row) != generation or copied != expected:
+        copied = copy_checksum(out[: meta.nbytes], self.payload[rank, row, : meta.nbytes])
+        if self.generation(rank, row) != generation or copied != meta.checksum:
             return None
         return meta
 

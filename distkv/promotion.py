@@ -25,13 +25,13 @@ import numpy as np
 from distkv.abstract import OffloadKey
 from distkv.directory import Holder, ReplicaInfo
 from distkv.metrics import MAX_OBSERVATIONS, ErrorLog
-from distkv.pool import HostPool, PoolLayout, copy_checksum
+from distkv.pool import HostPool, PoolLayout, Sealed, copy_checksum
 
 logger = logging.getLogger(__name__)
 
-# Per row, per rank: (nbytes, checksum) of a sealed slot; None for a row that did not
-# check out at the holder.
-SlotMeta = list[tuple[int, int]] | None
+# Per row, what each rank's slot header says; None for a row that did not check out at
+# the holder.
+SlotMeta = list[Sealed] | None
 # Each asked-for row's metas, and the slots of the rows whose metas are not None, in the
 # order asked, as one (ranks, rows, slot_bytes) array (None when there are none).
 RowsRead = tuple[np.ndarray | None, list[SlotMeta]]
@@ -287,12 +287,12 @@ class Promoter:
                     p, lambda rank, out, i=i: _copy_checked(data[rank, shipped[i]], metas[i][rank], out)
                 )
                 if ok:
-                    self.bytes_cross_node += sum(n for n, _ in metas[i])
+                    self.bytes_cross_node += sum(meta.nbytes for meta in metas[i])
                 self._finish([p], ok, "cross_node", None if ok else "promotion_stale", f"from {info.replica_id}")
             self.seconds_cross_node += time.perf_counter() - asked
         self._in_flight = still
 
-    def _write_local(self, p: Promotion, read_slot: Callable[[int, np.ndarray], tuple[int, int] | None]) -> bool:
+    def _write_local(self, p: Promotion, read_slot: Callable[[int, np.ndarray], Sealed | None]) -> bool:
         """Fill every rank's slot of the reserved row through read_slot, then seal it."""
         rows = np.array([p.row])
         gens = np.array([p.generation], dtype=np.uint64)
@@ -301,8 +301,7 @@ class Promoter:
             read = read_slot(rank, self._pool.payload[rank, p.row])
             if read is None:
                 return False
-            nbytes, checksum = read
-            self._pool.seal(rank, rows, [p.key], gens, nbytes, [checksum])
+            self._pool.seal(rank, rows, [p.key], gens, read.nbytes, [read.checksum], [read.filled])
         return True
 
     def _finish(
@@ -324,7 +323,6 @@ class Promoter:
             self._finished.append((p.key, ok, path == "same_node"))
 
 
-def _copy_checked(src: np.ndarray, meta: tuple[int, int], out: np.ndarray) -> tuple[int, int] | None:
+def _copy_checked(src: np.ndarray, meta: Sealed, out: np.ndarray) -> Sealed | None:
     """Copy a slot received from another node; None if it does not match its checksum."""
-    nbytes, expected = meta
-    return meta if copy_checksum(out[:nbytes], src[:nbytes]) == expected else None
+    return meta if copy_checksum(out[: meta.nbytes], src[: meta.nbytes]) == meta.checksum else None

@@ -253,20 +253,27 @@ class StoreHandler(PoolTransferHandler):
             first, last = max(lo, bounds[g]), min(hi, bounds[g + 1])
             if first < last:
                 rows = pool_spec.block_ids[first:last]
+                filled = plan.filled[first:last].tolist()
                 checksums = None
                 if hashed is not None:
                     # a row the copy hashed only in part (an unaligned first block) is hashed again
                     known = [hashed.get(row, (0, 0)) for row in rows.tolist()]
                     checksums = [digest if n == group_bytes else None for n, digest in known]
                 self.pool.seal(
-                    self.rank, rows, pool_spec.keys[first:last], pool_spec.generations[first:last], group_bytes, checksums
+                    self.rank,
+                    rows,
+                    pool_spec.keys[first:last],
+                    pool_spec.generations[first:last],
+                    group_bytes,
+                    checksums,
+                    filled,
                 )
 
 
 class LoadHandler(PoolTransferHandler):
     """Pool rows -> GPU blocks: every row must hold its key@generation before and after
-    the copy, and the bytes copied must match its checksum (a row damaged in place
-    keeps its header)."""
+    the copy, its store must have written every sub-block the load reads, and the bytes
+    copied must match its checksum (a row damaged in place keeps its header)."""
 
     gpu_to_pool = False
 
@@ -284,18 +291,29 @@ class LoadHandler(PoolTransferHandler):
         self, plan: CopyPlan, pool_spec: PoolLoadStoreSpec, segment: int, hashed: Mapping[int, tuple[int, int]] | None
     ) -> None:
         lo, hi = plan.row_bounds[segment], plan.row_bounds[segment + 1]
-        damaged = []
-        for row, key, gen in zip(
-            pool_spec.block_ids[lo:hi].tolist(), pool_spec.keys[lo:hi], pool_spec.generations[lo:hi].tolist()
+        damaged, unwritten = [], []
+        for row, key, gen, needed in zip(
+            pool_spec.block_ids[lo:hi].tolist(),
+            pool_spec.keys[lo:hi],
+            pool_spec.generations[lo:hi].tolist(),
+            plan.filled[lo:hi].tolist(),
         ):
             sealed = self.pool.sealed(self.rank, row, key, gen)
+            if sealed is not None and needed & ~sealed.filled:
+                unwritten.append(row)
+                continue
             read = None if hashed is None else hashed.get(row)
-            if sealed is not None and read is not None and read[0] == sealed[0]:
-                intact = read[1] == sealed[1]
+            if sealed is not None and read is not None and read[0] == sealed.nbytes:
+                intact = read[1] == sealed.checksum
             else:  # the copy hashed none or part of it (a DMA copy, an unaligned first block)
                 intact = self.pool.verify(self.rank, row, key, gen)
             if not intact:
                 damaged.append(row)
+        if unwritten:
+            raise ValueError(
+                f"pool rows {unwritten[:8]} of rank {self.rank} lack sub-blocks the load reads: "
+                "their stores did not write them"
+            )
         if damaged:
             raise ValueError(f"pool rows {damaged[:8]} of rank {self.rank} do not match their checksums")
 

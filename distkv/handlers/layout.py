@@ -21,6 +21,9 @@ import torch
 from distkv.abstract import CanonicalKVCaches
 from distkv.pool import PoolLayout
 
+# A slot header marks the sub-blocks written in one 64-bit word (pool.Sealed.filled).
+MAX_BLOCK_SIZE_FACTOR = 63
+
 
 @dataclass(frozen=True)
 class RefPlacement:
@@ -40,8 +43,11 @@ class SlotLayout:
 
     @classmethod
     def from_kv_caches(cls, kv_caches: CanonicalKVCaches, block_size_factor: int) -> "SlotLayout":
-        if block_size_factor < 1:
-            raise ValueError(f"block_size_factor={block_size_factor} must be at least 1")
+        if not 1 <= block_size_factor <= MAX_BLOCK_SIZE_FACTOR:
+            raise ValueError(
+                f"block_size_factor={block_size_factor} must be in 1..{MAX_BLOCK_SIZE_FACTOR}: "
+                "a slot header has a bit per sub-block"
+            )
         if not kv_caches.group_data_refs:
             raise ValueError("the KV caches have no KV group")
         tensors = [t.tensor for t in kv_caches.tensors]
@@ -99,7 +105,9 @@ class CopyPlan:
 
     Segment s holds runs run_bounds[s]:run_bounds[s+1], which fill the rows at positions
     row_bounds[s]:row_bounds[s+1] of the transfer's row list; group g has the rows at
-    positions group_row_bounds[g]:group_row_bounds[g+1].
+    positions group_row_bounds[g]:group_row_bounds[g+1]. filled[i]: the sub-blocks of the
+    i-th row the transfer copies, bit k for sub-block k (the first row of a transfer whose
+    first block is unaligned, and its last, may be copied in part).
     """
 
     tensor_idx: np.ndarray
@@ -109,6 +117,7 @@ class CopyPlan:
     run_bounds: np.ndarray
     row_bounds: np.ndarray
     group_row_bounds: np.ndarray
+    filled: np.ndarray
 
     @property
     def num_segments(self) -> int:
@@ -201,6 +210,13 @@ class CopyPlanner:
                     f"KV group {g}: GPU block ids {bad[:8].tolist()} out of range [0, {refs.num_blocks})"
                 )
 
+        filled = np.zeros(len(rows), dtype=np.uint64)
+        one = np.uint64(1)
+        for g in np.flatnonzero(sizes):
+            starts = np.arange(group_rows[g], dtype=np.int64) * f
+            first = np.clip(skips[g] - starts, 0, f).astype(np.uint64)
+            end = np.clip(skips[g] + sizes[g] - starts, 0, f).astype(np.uint64)
+            filled[row_bounds[g] : row_bounds[g + 1]] = (one << end) - (one << first)
         pieces = [
             self._group_pieces(
                 refs,
@@ -212,7 +228,7 @@ class CopyPlanner:
             for g, refs in enumerate(self._groups)
             if sizes[g] > 0
         ]
-        return self._coalesce(pieces, len(rows), row_bounds)
+        return self._coalesce(pieces, len(rows), row_bounds, filled)
 
     def _group_pieces(
         self, refs: _GroupRefs, ids: np.ndarray, skip: int, rows: np.ndarray, first_row_pos: int
@@ -243,10 +259,14 @@ class CopyPlanner:
             np.broadcast_to(a, shape)[filled] for a in (tensor_idx, tensor_offset, pool_offset, nbytes, row_pos)
         )
 
-    def _coalesce(self, pieces: list[tuple[np.ndarray, ...]], num_rows: int, group_row_bounds: np.ndarray) -> CopyPlan:
+    def _coalesce(
+        self, pieces: list[tuple[np.ndarray, ...]], num_rows: int, group_row_bounds: np.ndarray, filled: np.ndarray
+    ) -> CopyPlan:
         if not pieces:
             empty = np.zeros(0, dtype=np.int64)
-            return CopyPlan(empty, empty, empty, empty, np.zeros(1, np.int64), np.zeros(1, np.int64), group_row_bounds)
+            return CopyPlan(
+                empty, empty, empty, empty, np.zeros(1, np.int64), np.zeros(1, np.int64), group_row_bounds, filled
+            )
         tensor_idx, tensor_offset, pool_offset, nbytes, row_pos = (np.concatenate(a) for a in zip(*pieces))
         segment = row_pos // self._rows_per_segment
         ends_tensor, ends_pool = tensor_offset + nbytes, pool_offset + nbytes
@@ -270,4 +290,5 @@ class CopyPlanner:
             run_bounds=run_bounds,
             row_bounds=row_bounds,
             group_row_bounds=group_row_bounds,
+            filled=filled,
         )

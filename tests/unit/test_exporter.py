@@ -31,7 +31,7 @@ from distkv.metrics import (
     merge_errors,
     segment_owner,
 )
-from distkv.pool import HostPool, segment_name
+from distkv.pool import ALL_SUB_BLOCKS, HostPool, Sealed, segment_name
 from distkv.promotion import Promoter, layout_of, read_rows
 from distkv.spec import LocalOffloadingSpec
 
@@ -371,7 +371,7 @@ def test_segment_owner_inverts_segment_name():
 
 def test_node_agent_source_counts_rows_by_result():
     source = NodeAgentSource("n1")
-    source.record(3, [[(100, 1)], None, [(50, 2)]])
+    source.record(3, [[Sealed(100, 1, ALL_SUB_BLOCKS)], None, [Sealed(50, 2, ALL_SUB_BLOCKS)]])
     source.record(2, None)
     backend = Recorder()
     exporter = Exporter(backend)

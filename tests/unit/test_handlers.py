@@ -214,7 +214,7 @@ def test_store_seals_headers_with_group_bytes(rigs):
     for i, (row, key) in enumerate(zip(pool_spec.block_ids, pool_spec.keys)):
         assert rig.pool.verify(0, int(row), key, 5)
         group_bytes = 2 * (512 + 256) if i < 2 else 2 * 256
-        nbytes, _checksum = rig.pool.read(0, int(row), key, 5, out)
+        nbytes, _checksum, _filled = rig.pool.read(0, int(row), key, 5, out)
         assert nbytes == group_bytes
 
 
@@ -487,3 +487,37 @@ def test_plan_splits_runs_at_pinned_pieces_and_segments():
     plan = segments.plan(np.arange(16), [16], [0], np.arange(16))
     assert plan.row_bounds.tolist() == [0, 6, 12, 16]
     assert plan.run_bounds.tolist() == [0, 1, 2, 3]
+
+
+def test_a_row_stored_in_part_says_so_and_never_loads_the_rest(rigs):
+    """vLLM 0.33 stores a chunk whose leading GPU blocks fell out of a sliding window
+    (block id 0) from its first live block, and a partial tail as one GPU block: rows
+    written in part. Their headers name the sub-blocks written, and a load that would
+    read any other sub-block fails instead of delivering what the row held before."""
+    f, page = 4, 512
+    rig = rigs(caches(make_kv([16], [page]), [[(0, page)]]), f, PoolLayout(4, 1, PAGE_BYTES))
+    gpu, pool_spec = specs([1, 2, 3, 4, 5, 6], [6], [0], [0, 1])
+    assert run(rig.store, 1, (gpu, pool_spec)).success
+    # row 1 again, from sub-block 2 on: the store's first block is unaligned
+    part, part_spec = GPULoadStoreSpec([7, 8], [1 * 2], [2]), PoolLoadStoreSpec([1], keys(1, tag=9), [2])
+    assert run(rig.store, 2, (part, part_spec)).success
+    key = part_spec.keys[0]
+    assert rig.pool.sealed(0, 1, key, 2).filled == 0b1100
+    assert rig.pool.sealed(0, 0, pool_spec.keys[0], 1).filled == 0b1111
+    assert rig.pool.sealed(0, 1, pool_spec.keys[1], 1) is None  # the store replaced it
+
+    kv = rig.tensors[0]
+    kv[9:13].zero_()
+    # a load reading sub-blocks 0..3 of the row: 0 and 1 hold the old block's bytes
+    whole = GPULoadStoreSpec([9, 10, 11, 12], [4], [0])
+    assert not run(rig.load, 3, (PoolLoadStoreSpec([1], [key], [2]), whole)).success
+    # the sub-blocks it wrote load bit-exact
+    tail = GPULoadStoreSpec([11, 12], [2], [2])
+    assert run(rig.load, 4, (PoolLoadStoreSpec([1], [key], [2]), tail)).success
+    torch.testing.assert_close(kv[11:13], kv[7:9], rtol=0, atol=0)
+
+
+def test_block_size_factor_beyond_the_headers_mask_is_refused():
+    kv = caches(make_kv([4], [512]), [[(0, 512)]])
+    with pytest.raises(ValueError, match="block_size_factor=64 must be in 1..63"):
+        SlotLayout.from_kv_caches(kv, 64)
