@@ -97,6 +97,39 @@ def copy_checksum(out: np.ndarray, src: np.ndarray) -> int:
     return hasher.intdigest()
 
 
+def parse_header(header: bytes, key: bytes, generation: int) -> Sealed | None:
+    """What a copy of a slot's header says of key@generation, or None if it names another
+    block. Only a copy the slot protocol vouches for means anything (HostPool.sealed,
+    check_landed)."""
+    sealed_generation, digest, nbytes, key_len, filled = _HEADER_WORDS.unpack_from(header)
+    if (
+        not generation
+        or sealed_generation != generation
+        or key_len != len(key)
+        or header[_KEY_OFFSET : _KEY_OFFSET + key_len] != key
+    ):
+        return None
+    return Sealed(nbytes, digest, filled)
+
+
+def check_landed(
+    header: bytes, generation_after: int, key: bytes, generation: int, payload: np.ndarray
+) -> Sealed | None:
+    """The slot protocol for a reader whose copy of a slot's header and payload landed in
+    no known order (one-sided RDMA): what the header says, if the copy is of key@generation.
+
+    `header` and `payload` came in one read, `generation_after` from a read of the slot's
+    generation issued once that one had completed. An unchanged generation across the two
+    means no writer touched the slot while the first was read (writers zero it first and
+    no generation comes back), so header and payload are of one block; the payload must
+    still match the checksum the header gives.
+    """
+    meta = parse_header(header, key, generation)
+    if meta is None or generation_after != generation or meta.nbytes > payload.nbytes:
+        return None
+    return meta if checksum(payload[: meta.nbytes]) == meta.checksum else None
+
+
 class PoolLoadStoreSpec(BlockIDsLoadStoreSpec):
     """Rows of a host pool, with the key and generation each row holds (or will hold).
 
@@ -163,6 +196,14 @@ class PoolLayout:
     @property
     def rank_bytes(self) -> int:
         return self.num_rows * self.slot_bytes
+
+    def header_offset(self, rank: int, row: int) -> int:
+        """Where the header of rank's slot of row starts in the segment."""
+        return self.headers_offset + (rank * self.num_rows + row) * HEADER_BYTES
+
+    def slot_offset(self, rank: int, row: int) -> int:
+        """Where rank's slot of row starts in the segment."""
+        return self.payload_offset + rank * self.rank_bytes + row * self.slot_bytes
 
     @property
     def total_bytes(self) -> int:
@@ -266,6 +307,7 @@ class HostPool:
             os.close(self._fd)
             raise
         buf = np.frombuffer(self._mmap, dtype=np.uint8)
+        self.address = buf.ctypes.data  # of the segment in this process, for one-sided reads
         headers = buf[layout.headers_offset : layout.headers_offset + layout.num_ranks * layout.num_rows * HEADER_BYTES]
         self._headers = headers.reshape(layout.num_ranks, layout.num_rows, HEADER_BYTES)
         self._words = self._headers.view("<u8")  # (ranks, rows, HEADER_BYTES // 8)
@@ -404,10 +446,7 @@ class HostPool:
         header = self._headers[rank, row].tobytes()
         if words[_GEN] != generation:
             return None
-        _, digest, nbytes, key_len, filled = _HEADER_WORDS.unpack_from(header)
-        if key_len != len(key) or header[_KEY_OFFSET : _KEY_OFFSET + key_len] != key:
-            return None
-        return Sealed(nbytes, digest, filled)
+        return parse_header(header, key, generation)
 
     def holds(self, rank: int, row: int, key: bytes, generation: int) -> bool:
         """Cheap check: the header names this key at this generation."""

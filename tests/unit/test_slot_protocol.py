@@ -15,6 +15,7 @@ accesses changes nothing and it is taken first), begin_write, the payload in two
 
 from __future__ import annotations
 
+import functools
 import itertools
 import uuid
 from collections.abc import Callable
@@ -33,7 +34,7 @@ from distkv.abstract import (
 )
 from distkv.handlers import make_handlers
 from distkv.manager import LocalOffloadingManager
-from distkv.pool import PAGE_BYTES, HostPool, PoolLayout, PoolLoadStoreSpec, segment_name
+from distkv.pool import HEADER_BYTES, PAGE_BYTES, HostPool, PoolLayout, PoolLoadStoreSpec, check_landed, segment_name
 from distkv.promotion import _copy_checked, read_rows, shipped_index
 
 SLOT_BYTES = PAGE_BYTES
@@ -208,6 +209,36 @@ class LocalLoad:
         self.pool.close()
 
 
+class OneSidedRead:
+    """A one-sided read (RDMA) of the holder's slot: its header and payload land in the
+    given order of four pieces (the header's generation word, the rest of the header, the
+    payload's halves: RDMA orders none of them), then a second read of the generation,
+    and `check_landed` decides."""
+
+    def __init__(self, row: Row, order: tuple[int, ...]) -> None:
+        self.pool = traced(HostPool(row.name, LAYOUT, create=False, member=False))
+        self.order = order
+
+    def __call__(self, row: Row) -> np.ndarray | None:
+        header = np.zeros(HEADER_BYTES, dtype=np.uint8)
+        payload = np.zeros(SLOT_BYTES, dtype=np.uint8)
+        remote_header, remote_payload = self.pool._headers[0, row.row], self.pool.payload[0, row.row]
+        pieces = [
+            lambda: header.__setitem__(slice(0, 8), remote_header[:8]),
+            lambda: header.__setitem__(slice(8, None), remote_header[8:]),
+            lambda: payload.__setitem__(slice(0, HALF), remote_payload[:HALF]),
+            lambda: payload.__setitem__(slice(HALF, None), remote_payload[HALF:]),
+        ]
+        for piece in self.order:
+            pieces[piece]()
+        generation_after = int(self.pool._words[0, row.row, 0])
+        meta = check_landed(header.tobytes(), generation_after, KEY_A, row.generation, payload)
+        return payload if meta is not None else None
+
+    def close(self) -> None:
+        self.pool.close()
+
+
 READERS = [SameNodeRead, AgentRead, LocalLoad]
 
 
@@ -234,7 +265,7 @@ def explore(reader_kind, new_key: bytes) -> dict[str, int]:
                 outcomes["missed"] += 1
             else:
                 assert np.array_equal(got, row.old_bytes), (
-                    f"{reader_kind.__name__} delivered other bytes as {KEY_A!r}@{row.generation} "
+                    f"{getattr(reader_kind, '__name__', reader_kind)} delivered other bytes as {KEY_A!r}@{row.generation} "
                     f"with the writer's steps before its accesses {positions}"
                 )
                 outcomes["delivered"] += 1
@@ -252,3 +283,10 @@ def test_no_interleaving_delivers_bytes_under_another_key(reader_kind, new_key):
     # Both outcomes occur, so the schedules did reach the reader: a writer done before the
     # reader starts is a miss, one that starts after the reader is done is a hit.
     assert outcomes["delivered"] > 0 and outcomes["missed"] > 0, outcomes
+
+
+@pytest.mark.parametrize("new_key", [KEY_B, KEY_A], ids=["another_key", "same_key_new_generation"])
+def test_no_interleaving_of_a_one_sided_read_delivers_bytes_under_another_key(new_key):
+    for order in itertools.permutations(range(4)):
+        outcomes = explore(functools.partial(OneSidedRead, order=order), new_key)
+        assert outcomes["delivered"] > 0 and outcomes["missed"] > 0, (order, outcomes)
