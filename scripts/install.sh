@@ -5,6 +5,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 extras="${1:-}"
+# The tests run the NIXL transport too.
+case ",$extras," in *,test,*) extras="$extras,rdma" ;; esac
 if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
   extras="gpu${extras:+,$extras}"
   python3 -m pip install -q -e ".[${extras}]"
