@@ -13,6 +13,7 @@ pytest.importorskip("vllm.v1.kv_offload.base")
 
 from replica_engine import DISTKV_EXTRA, kv_cache_config, vllm_config  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.v1 import KVConnectorRole  # noqa: E402
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.config import build_offloading_config  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import OffloadingConnector  # noqa: E402
 from vllm.utils.hashing import sha256  # noqa: E402
 from vllm.v1.core.kv_cache_utils import get_none_hash_seed, init_none_hash  # noqa: E402
@@ -129,6 +130,21 @@ def test_replicas_with_other_hash_seeds_are_other_namespaces(monkeypatch):
     assert namespace("1") == namespace("1")
     assert namespace(None) != namespace("1")
     assert namespace(None) == namespace("vllm-none-hash")  # vLLM's default seed: the same NONE_HASH
+
+
+@pytest.mark.parametrize("cache_dtype", ["fp8", "fp8_e5m2"])
+def test_an_fp8_kv_cache_is_another_namespace_than_a_float16_one(model_dir, cache_dtype):
+    """vLLM's OffloadingConfig.model.dtype is the KV-cache dtype, so fp8 and fp16 blocks never mix."""
+    engine = uuid.uuid4().hex
+
+    def plan(dtype: str):
+        config = vllm_config(model_dir, {**DISTKV_EXTRA, "cpu_bytes_to_use": 1 << 20})
+        config.kv_transfer_config.engine_id = engine
+        config.cache_config.cache_dtype = dtype
+        return replica_plan(build_offloading_config(config, kv_cache_config()))
+
+    assert plan("auto").namespace == plan("auto").namespace
+    assert plan(cache_dtype).namespace != plan("auto").namespace
 
 
 def test_stores_and_loads_through_the_worker_are_bit_exact():
