@@ -13,6 +13,7 @@ docs/configuration.md.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import threading
 from collections.abc import Collection, Iterable
@@ -20,6 +21,8 @@ from typing import Any
 
 try:
     from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import OffloadingConnectorStats
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_utils import resolve_none_hash_seed
     from vllm.v1.kv_offload.base import (
         CanonicalKVCaches,
         GPULoadStoreSpec,
@@ -74,10 +77,26 @@ PROMOTIONS_IN_FLIGHT = "distkv:promotions_in_flight"
 PROMOTED_BYTES = "distkv:promoted_bytes"
 
 
+def prefix_hash_seed() -> str:
+    """The seed vLLM chains its block hashes from (NONE_HASH), as this process resolves it.
+
+    vLLM's engine core resolves the seed (init_none_hash) only after the connector is
+    built, and workers never do, so `get_none_hash_seed()` answers vLLM's default in both;
+    vLLM's own rule gives the same answer in every process of a replica: PYTHONHASHSEED
+    when set (vLLM hands it to its workers), else a fixed default. The rule for sha256
+    holds for every cryptographic hash; a non-cryptographic one without PYTHONHASHSEED
+    draws a random seed per engine, whose keys no other replica can match.
+    """
+    return resolve_none_hash_seed(sha256)
+
+
 def replica_plan(config: OffloadingConfig) -> ReplicaPlan:
     """The replica's plan from vLLM's OffloadingConfig, equal in the scheduler and workers.
 
     The extra config is checked by DistkvConfig once vLLM's own keys are set aside.
+    Replicas whose block hashes start from different seeds compute different keys for the
+    same tokens, so the seed (digested: for a non-cryptographic hash it must stay secret)
+    is part of the namespace: such replicas show as different namespaces.
     """
     extra = dict(config.extra_config)
     if extra.get("canonical_layout"):
@@ -102,6 +121,7 @@ def replica_plan(config: OffloadingConfig) -> ReplicaPlan:
             "worker_kv_bytes_per_block": config.worker_kv_bytes_per_block,
             "blocks_per_chunk": blocks_per_chunk,
             "tokens_per_hash": config.cache.tokens_per_hash,
+            "prefix_hash_seed": hashlib.sha256(prefix_hash_seed().encode()).hexdigest(),
             "parallel": [parallel.world_size, parallel.tp_size, parallel.pp_size, parallel.pcp_size, parallel.dcp_size],
         },
         config.worker_kv_bytes_per_block * blocks_per_chunk,
@@ -364,5 +384,6 @@ __all__ = [
     "DistkvOffloadingManager",
     "DistkvOffloadingWorker",
     "RayOffloadingSpec",
+    "prefix_hash_seed",
     "replica_plan",
 ]

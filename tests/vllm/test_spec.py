@@ -13,7 +13,10 @@ pytest.importorskip("vllm.v1.kv_offload.base")
 
 from replica_engine import DISTKV_EXTRA, kv_cache_config, vllm_config  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.v1 import KVConnectorRole  # noqa: E402
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.config import build_offloading_config  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import OffloadingConnector  # noqa: E402
+from vllm.utils.hashing import sha256  # noqa: E402
+from vllm.v1.core.kv_cache_utils import get_none_hash_seed, init_none_hash  # noqa: E402
 from vllm.v1.kv_offload.base import (  # noqa: E402
     CanonicalKVCacheRef,
     CanonicalKVCaches,
@@ -33,7 +36,7 @@ from vllm.v1.kv_offload.factory import OffloadingSpecFactory  # noqa: E402
 
 from distkv.manager import LocalOffloadingManager  # noqa: E402
 from distkv.pool import SHM_DIR  # noqa: E402
-from distkv.vllm import DistkvOffloadingWorker, RayOffloadingSpec  # noqa: E402
+from distkv.vllm import DistkvOffloadingWorker, RayOffloadingSpec, prefix_hash_seed, replica_plan  # noqa: E402
 
 PAGE_BYTES = 1024
 LAYERS = 2
@@ -93,6 +96,55 @@ def test_scheduler_and_workers_derive_the_same_pool():
     assert scheduler_side.plan.namespace != workers[0].plan.namespace  # another parallel layout
     salted = RayOffloadingSpec(offloading_config({**extra, "tenant_salt": "t1"}, engine))
     assert salted.plan.namespace != scheduler_side.plan.namespace
+
+
+@pytest.mark.parametrize("seed", [None, "0", "vllm-none-hash"])
+def test_prefix_hash_seed_is_the_one_vllm_resolves(monkeypatch, seed):
+    """What the engine core resolves once the connector is built, every process knows at start."""
+    with monkeypatch.context() as env:
+        if seed is None:
+            env.delenv("PYTHONHASHSEED", raising=False)
+        else:
+            env.setenv("PYTHONHASHSEED", seed)
+        before = prefix_hash_seed()
+        init_none_hash(sha256)
+        try:
+            assert before == get_none_hash_seed()
+        finally:
+            env.undo()
+            init_none_hash(sha256)  # back to this process's own seed, which other tests hash with
+
+
+def test_replicas_with_other_hash_seeds_are_other_namespaces(monkeypatch):
+    """Keys hashed from other seeds never match: such replicas must not look like one namespace."""
+    config = offloading_config({"cpu_bytes_to_use": 1 << 20}, uuid.uuid4().hex)
+
+    def namespace(seed: str | None) -> str:
+        if seed is None:
+            monkeypatch.delenv("PYTHONHASHSEED", raising=False)
+        else:
+            monkeypatch.setenv("PYTHONHASHSEED", seed)
+        return replica_plan(config).namespace
+
+    assert namespace("1") != namespace("2")
+    assert namespace("1") == namespace("1")
+    assert namespace(None) != namespace("1")
+    assert namespace(None) == namespace("vllm-none-hash")  # vLLM's default seed: the same NONE_HASH
+
+
+@pytest.mark.parametrize("cache_dtype", ["fp8", "fp8_e5m2"])
+def test_an_fp8_kv_cache_is_another_namespace_than_a_float16_one(model_dir, cache_dtype):
+    """vLLM's OffloadingConfig.model.dtype is the KV-cache dtype, so fp8 and fp16 blocks never mix."""
+    engine = uuid.uuid4().hex
+
+    def plan(dtype: str):
+        config = vllm_config(model_dir, {**DISTKV_EXTRA, "cpu_bytes_to_use": 1 << 20})
+        config.kv_transfer_config.engine_id = engine
+        config.cache_config.cache_dtype = dtype
+        return replica_plan(build_offloading_config(config, kv_cache_config()))
+
+    assert plan("auto").namespace == plan("auto").namespace
+    assert plan(cache_dtype).namespace != plan("auto").namespace
 
 
 def test_stores_and_loads_through_the_worker_are_bit_exact():
