@@ -89,7 +89,7 @@ def join_cluster(plan: ReplicaPlan, pool: HostPool, local: LocalOffloadingManage
     info = ReplicaInfo(plan.replica_id, node_id, plan.pool_name, layout.num_rows, layout.num_ranks, layout.slot_bytes)
     link = DirectoryLink(plan.namespace, info, config.directory_shards)
     link.start()
-    promoter = Promoter(pool, node_id, link.replica, AgentFetch(plan.namespace))
+    promoter = Promoter(pool, node_id, link.replica, AgentFetch(plan.namespace), namespace=plan.namespace)
     manager = ClusterOffloadingManager(
         local,
         link,
