@@ -71,7 +71,14 @@ def join_cluster(plan: ReplicaPlan, pool: HostPool, local: LocalOffloadingManage
 
     Joins the cluster (`ray_address`; none starts an embedded local Ray), makes sure this
     node's NodeAgent runs, registers the replica with the Directory and wraps `local`.
+    `pool` is the scheduler's mapping of the replica's pool: it claims the replica's name
+    until it closes, and a ValueError says so if a live replica on this node has it.
     """
+    if not pool.claim():
+        raise ValueError(
+            f"replica {plan.replica_id!r}: another live replica on this node already runs under this "
+            f"kv_transfer_config.engine_id (its pool {pool.name} is claimed); give each replica its own engine_id"
+        )
     import ray
 
     from distkv import metrics
