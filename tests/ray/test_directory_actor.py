@@ -7,6 +7,7 @@ import pytest
 import ray
 
 from distkv.directory import PROMOTED_FLUSH_DELAY_S, DirectoryLink, Holder, ReplicaInfo, pack, shard_of, unpack
+from distkv.pool import segment_name
 from ray_actors.directory import get_or_create_shards, kill_shards
 
 pytestmark = pytest.mark.usefixtures("ray_session")
@@ -35,7 +36,7 @@ def new_keys(n: int) -> list[bytes]:
 
 @pytest.fixture
 def namespace():
-    ns = "test-" + uuid.uuid4().hex[:8]
+    ns = "test" + uuid.uuid4().hex[:8]
     yield ns
     kill_shards(ns)
 
@@ -46,7 +47,7 @@ def make_link(namespace):
 
     def make(replica_id: str, num_shards: int = 2) -> DirectoryLink:
         node_id = ray.get_runtime_context().get_node_id()
-        link = DirectoryLink(namespace, ReplicaInfo(replica_id, node_id, f"pool-{replica_id}", 64, 2, 4096), num_shards)
+        link = DirectoryLink(namespace, ReplicaInfo(replica_id, node_id, segment_name(namespace, replica_id), 64, 2, 4096), num_shards)
         link.start()
         links.append(link)
         return link
@@ -91,7 +92,7 @@ def test_a_long_poll_does_not_wake_for_the_followers_own_publish(namespace):
     (shard,) = get_or_create_shards(namespace, 1)
     node_id = ray.get_runtime_context().get_node_id()
     for replica_id in ("a", "b"):
-        info = ReplicaInfo(replica_id, node_id, f"pool-{replica_id}", 64, 1, 4096)
+        info = ReplicaInfo(replica_id, node_id, segment_name(namespace, replica_id), 64, 1, 4096)
         ray.get(shard.register.remote(info, 1, pack([]), namespace=namespace))
     cursor = unpack(ray.get(shard.changes.remote(None, 0.0, namespace=namespace))).cursor
     polls = {follower: shard.changes.remote(cursor, 1.5, namespace=namespace, follower=follower) for follower in "ab"}
@@ -153,7 +154,7 @@ def test_replica_that_stops_heartbeating_expires(make_link, namespace):
     (shard,) = get_or_create_shards(namespace, 1, replica_timeout_s=1.5)
     alive, watcher = make_link("alive", 1), make_link("watcher", 1)
     ghost_keys, alive_keys = new_keys(3), new_keys(3)
-    ghost = ReplicaInfo("ghost", watcher.info.node_id, "pool-ghost", 8, 1, 4096)
+    ghost = ReplicaInfo("ghost", watcher.info.node_id, segment_name(namespace, "ghost"), 8, 1, 4096)
     ray.get(shard.register.remote(ghost, 1, pack([(k, i, 1) for i, k in enumerate(ghost_keys)]), namespace=namespace))
     alive.stored([(k, i, 1) for i, k in enumerate(alive_keys)])
     wait_for(lambda: visible(watcher, ghost_keys, "ghost") and visible(watcher, alive_keys, "alive"), 10)
@@ -202,3 +203,22 @@ def test_bad_input_is_refused_before_queueing(make_link):
     with pytest.raises(ValueError, match="is a int, not bytes"):
         a.removed([7])
     assert a.holders(new_keys(1)[0]) == ()
+
+
+def test_register_refuses_a_pool_of_another_namespace(namespace):
+    (shard,) = get_or_create_shards(namespace, 1)
+    node_id = ray.get_runtime_context().get_node_id()
+    ray.get(shard.register.remote(ReplicaInfo("a", node_id, segment_name(namespace, "a"), 8, 1, 4096), 1, pack([]), namespace=namespace))
+    key = new_keys(1)[0]
+    refused = [
+        (segment_name("other" + namespace, "b"), "belongs to cache namespace"),
+        ("pool-b", "not a distkv pool segment name"),
+        ("distkv-" + namespace + "-../../b", "may hold only letters, digits"),
+    ]
+    for pool_name, problem in refused:
+        info = ReplicaInfo("b", node_id, pool_name, 8, 1, 4096)
+        with pytest.raises(ValueError, match=problem):
+            ray.get(shard.register.remote(info, 1, pack([(key, 0, 1)]), namespace=namespace))
+    # nothing of them was applied
+    assert [r["replica_id"] for r in ray.get(shard.replicas.remote())] == ["a"]
+    assert unpack(ray.get(shard.query.remote([key], namespace=namespace))) == [()]
