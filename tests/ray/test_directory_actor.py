@@ -118,13 +118,17 @@ def test_promoted_blocks_are_published_late_unless_something_else_goes(make_link
     assert visible(b, keys[2:3], "a")
 
 
+def epochs_of(shards) -> list[str]:
+    return [s["epoch"] for s in ray.get([shard.stats.remote() for shard in shards], timeout=30)]
+
+
 def test_restarted_directory_is_refilled_by_the_links(make_link, namespace):
     a, b = make_link("a"), make_link("b")
     keys = new_keys(20)
     a.stored([(k, i, 1) for i, k in enumerate(keys)])
     wait_for(lambda: visible(b, keys, "a"), 10)
     shards = get_or_create_shards(namespace, 2)
-    epochs = [s["epoch"] for s in ray.get([shard.stats.remote() for shard in shards])]
+    epochs = epochs_of(shards)
 
     for shard in shards:
         ray.kill(shard, no_restart=False)
@@ -132,6 +136,9 @@ def test_restarted_directory_is_refilled_by_the_links(make_link, namespace):
     a.stored([(k, 40 + i, 2) for i, k in enumerate(late)])  # while the Directory restarts
     assert b.holders(keys[0])  # the view answers from what it had
 
+    # ray.kill returns before the old incarnations are gone, and they may still answer the
+    # publish of `late` and the query below: wait until only the new ones answer
+    wait_for(lambda: not set(epochs_of(shards)) & set(epochs), 30)
     wait_for(lambda: all(a.query(keys + late, timeout_s=10)), 10)
     wait_for(lambda: visible(b, keys + late, "a"), 5)
     stats = ray.get([shard.stats.remote() for shard in shards])
