@@ -24,6 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import ray  # noqa: E402
 
 from distkv.directory import DirectoryLink, ReplicaInfo, pack, shard_of  # noqa: E402
+from distkv.pool import segment_name  # noqa: E402
 from ray_actors.directory import RAY_NAMESPACE, get_or_create_shards, head_node_id, kill_shards  # noqa: E402
 
 BATCH = 1000
@@ -76,7 +77,7 @@ def throughput(actors: list, keys_of: list[list[bytes]], seconds: float, namespa
     lanes = []
     for s, actor in enumerate(actors):
         for j in range(LANES_PER_SHARD):
-            info = ReplicaInfo(f"bench-{s}-{j}", node, "pool", BATCH, 1, 4096)
+            info = ReplicaInfo(f"bench-{s}-{j}", node, segment_name(namespace, f"bench_{s}_{j}"), BATCH, 1, 4096)
             keys = keys_of[s][j * BATCHES_PER_LANE * BATCH:(j + 1) * BATCHES_PER_LANE * BATCH]
             lanes.append(Lane(actor, info, [keys[b * BATCH:(b + 1) * BATCH] for b in range(BATCHES_PER_LANE)], namespace))
     ray.get([lane.actor.register.remote(lane.info, 0, pack([]), namespace=namespace) for lane in lanes])
@@ -104,8 +105,8 @@ def percentiles(samples: list[float]) -> tuple[float, float]:
 def visibility(namespace: str, samples: int) -> list[float]:
     """Seconds from `stored()` on one link to `holders()` answering on another."""
     node = head_node_id()
-    a = DirectoryLink(namespace, ReplicaInfo("a", node, "pool-a", 1 << 20, 1, 4096), 2)
-    b = DirectoryLink(namespace, ReplicaInfo("b", node, "pool-b", 1 << 20, 1, 4096), 2)
+    a = DirectoryLink(namespace, ReplicaInfo("a", node, segment_name(namespace, "a"), 1 << 20, 1, 4096), 2)
+    b = DirectoryLink(namespace, ReplicaInfo("b", node, segment_name(namespace, "b"), 1 << 20, 1, 4096), 2)
     a.start()
     b.start()
     try:
@@ -151,12 +152,12 @@ def main() -> None:
         namespace=RAY_NAMESPACE,
         log_to_driver=False,
     )
-    namespace = "bench-" + uuid.uuid4().hex[:8]
+    namespace = "bench" + uuid.uuid4().hex[:8]
     try:
         rows = []
         needed = LANES_PER_SHARD * BATCHES_PER_LANE * BATCH
         for num_shards in (1, 2, 4):
-            shard_namespace = f"{namespace}-{num_shards}"
+            shard_namespace = f"{namespace}_{num_shards}"
             shards = get_or_create_shards(shard_namespace, num_shards)
             noops = [NoOp.options(num_cpus=0).remote() for _ in range(num_shards)]
             ray.get([s.stats.remote() for s in shards] + [n.query.remote([], shard_namespace) for n in noops])

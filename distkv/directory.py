@@ -495,6 +495,10 @@ HEARTBEAT_INTERVAL_S = 0.5
 POLL_TIMEOUT_S = 2.0
 # Replicas re-register after a random delay up to this, so a fresh shard is not hit all at once.
 RESYNC_JITTER_S = 0.5
+# A shard's changes not yet published, past this many keys and past what the replica holds
+# there, are dropped for a re-register with everything it holds: while a shard is down,
+# the removals would pile up without bound, and re-registering says the same in fewer keys.
+MAX_PENDING_KEYS = 1 << 16
 MAX_BACKOFF_S = 2.0
 CLOSE_TIMEOUT_S = 2.0
 
@@ -528,7 +532,8 @@ class _Shard:
         self.batch_since: float | None = None
         self.reported_at = -float("inf")  # when the replica's stats last went with a publish
         self.held: dict[OffloadKey, tuple[int, int]] = {}  # this replica's blocks in the shard
-        self.pending: dict[OffloadKey, tuple[int, int] | None] = {}  # not yet published; None: removed
+        # not yet published (None: removed); empty while a re-register is due
+        self.pending: dict[OffloadKey, tuple[int, int] | None] = {}
         self.flush_at = float("inf")  # when pending is due to go (FLUSH_INTERVAL_S apart at most)
         self.seq = 0
         self.publishing: _Call | None = None
@@ -714,6 +719,13 @@ class DirectoryLink:
         now = time.monotonic()
         flush_at = now + PROMOTED_FLUSH_DELAY_S if only_promoted else now
         for shard in shards:
+            if shard.resync_at is None and len(shard.pending) > max(MAX_PENDING_KEYS, len(shard.held)):
+                self._resync_later(shard, now)
+            if shard.resync_at is not None:
+                # the re-register sends everything held, which these changes are part of
+                shard.pending.clear()
+                shard.failed_batch = None
+                continue
             if shard.pending:
                 shard.flush_at = min(shard.flush_at, flush_at)
                 # the event lag is that of stores and removals, not of promoted blocks held back

@@ -44,6 +44,7 @@ ERROR_KINDS = (
     "promotion_fetch",  # reading the holder's row failed
     "promotion_timeout",
     "promotion_stale",  # the holder's copy changed or did not check out
+    "promotion_error",  # an unexpected failure, of this promotion only
     "store_rejected",  # no free or evictable row
     "store_failed",
     "load_failed",

@@ -28,6 +28,7 @@ import fcntl
 import logging
 import mmap
 import os
+import struct
 import re
 import struct
 import threading
@@ -389,6 +390,25 @@ class HostPool:
                 f"pool segment {self.path} has layout {found}, this process expects "
                 f"{self.layout}: every process of a replica must use the same configuration"
             )
+
+    def claim(self) -> bool:
+        """Take the replica's owner lock on the segment, held until this mapping closes:
+        whether no other mapping held it.
+
+        The scheduler of a replica claims its segment, its workers do not, so that a
+        second replica of the same name finds it claimed instead of sharing the rows.
+        The lock belongs to this open file (an OFD lock, apart from the members' flock)
+        and the kernel drops it with a killed owner, so a replica restarted under its
+        name claims it again.
+        """
+        lock = struct.pack("hhqqi", fcntl.F_WRLCK, os.SEEK_SET, 0, 1, 0)
+        try:
+            fcntl.fcntl(self._fd, fcntl.F_OFD_SETLK, lock)
+        except OSError as e:
+            if e.errno in (errno.EAGAIN, errno.EACCES):
+                return False
+            raise
+        return True
 
     # ---- headers -------------------------------------------------------------------
 

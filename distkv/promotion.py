@@ -11,6 +11,7 @@ check out is a miss, never data.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import threading
@@ -23,7 +24,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from distkv.abstract import OffloadKey
-from distkv.directory import Holder, ReplicaInfo
+from distkv.directory import Holder, ReplicaInfo, check_pool_namespace
 from distkv.metrics import MAX_OBSERVATIONS, ErrorLog
 from distkv.pool import HostPool, PoolLayout, Sealed, copy_checksum
 
@@ -96,10 +97,18 @@ class Promotion:
     holders: tuple[Holder, ...]
     deadline: float  # time.monotonic() after which it fails
     submitted: float = field(default_factory=time.monotonic)  # when the manager asked for it
+    ended: bool = field(default=False, init=False)  # its outcome went to the manager
 
 
 class Promoter:
-    """Runs promotions on one background thread; the manager drains `finished()`."""
+    """Runs promotions on one background thread; the manager drains `finished()`.
+
+    Every promotion submitted ends exactly once, in `finished()`: by success, by failure
+    or at `close`. Whatever one promotion's step raises (the holder's pool cannot be
+    opened, a fetch's result, the write here) fails the promotions of that step only,
+    counted in `errors`; the thread goes on with the others. Only pools of cache
+    `namespace` are read.
+    """
 
     # A fetch from another node asks for at most this many bytes (one row at least), so
     # that the holder's copy into the object store, the transfer and the checked copy
@@ -118,9 +127,12 @@ class Promoter:
         node_id: str,
         replica_info: Callable[[str], ReplicaInfo | None],
         fetch_remote: RemoteFetch,
+        *,
+        namespace: str,
     ):
         self._pool = pool
         self._node_id = node_id
+        self._namespace = namespace
         self._replica_info = replica_info
         self._fetch_remote = fetch_remote
         # promotions to start; None to stop; _FETCHED when a fetch completed
@@ -195,24 +207,27 @@ class Promoter:
     def _start(self, batch: list[Promotion]) -> None:
         by_holder: dict[str, tuple[ReplicaInfo, list[Promotion]]] = {}
         for p in batch:
-            info = self._choose(p)
-            if info is None:
-                self._finish([p], False, None, "promotion_no_holder", f"{len(p.holders)} holder(s) known")
-                continue
-            by_holder.setdefault(info.replica_id, (info, []))[1].append(p)
+            with self._failing([p], None, "while choosing a holder"):
+                info = self._choose(p)
+                if info is None:
+                    self._finish([p], False, None, "promotion_no_holder", f"{len(p.holders)} holder(s) known")
+                    continue
+                by_holder.setdefault(info.replica_id, (info, []))[1].append(p)
         for info, promotions in by_holder.values():
             same_node = info.node_id == self._node_id
-            self.started["same_node" if same_node else "cross_node"] += len(promotions)
-            if same_node:
-                self._copy_same_node(info, promotions)
-                continue
-            row_bytes = info.num_ranks * info.slot_bytes
-            step = max(self.FETCH_BYTES // row_bytes, 1)
-            # in the holder's row order: a prefix stored together then asks for runs of
-            # consecutive rows, which the holder copies out without gathering them first
-            promotions.sort(key=lambda p: self._held_row(p, info).row)
-            for i in range(0, len(promotions), step):
-                self._fetch(info, promotions[i : i + step])
+            path = "same_node" if same_node else "cross_node"
+            self.started[path] += len(promotions)
+            with self._failing(promotions, path, f"from {info.replica_id}"):
+                if same_node:
+                    self._copy_same_node(info, promotions)
+                    continue
+                row_bytes = info.num_ranks * info.slot_bytes
+                step = max(self.FETCH_BYTES // row_bytes, 1)
+                # in the holder's row order: a prefix stored together then asks for runs of
+                # consecutive rows, which the holder copies out without gathering them first
+                promotions.sort(key=lambda p: self._held_row(p, info).row)
+                for i in range(0, len(promotions), step):
+                    self._fetch(info, promotions[i : i + step])
 
     def _fetch(self, info: ReplicaInfo, promotions: list[Promotion]) -> None:
         held = [self._held_row(p, info) for p in promotions]
@@ -226,6 +241,7 @@ class Promoter:
             self._finish(promotions, False, "cross_node", "promotion_fetch", f"from {info.replica_id}: {e}")
             return
         index = {p.key: i for i, p in enumerate(promotions)}
+        # in flight before the callback may run: a future done already runs it at once
         self._in_flight.append((future, info, promotions, index, asked))
         future.add_done_callback(lambda _: self._submitted.put(_FETCHED))
 
@@ -247,50 +263,70 @@ class Promoter:
     def _copy_same_node(self, info: ReplicaInfo, promotions: list[Promotion]) -> None:
         started = time.perf_counter()
         try:
+            # refused before anything is opened: a holder's info names any path it likes
+            check_pool_namespace(info.pool_name, self._namespace)
             holder_pool = HostPool(info.pool_name, layout_of(info), create=False)
-        except (FileNotFoundError, ValueError) as e:
-            self._finish(promotions, False, "same_node", "promotion_fetch", f"from {info.replica_id}: {e}")
+        except Exception as e:
+            logger.warning("promotion from %s: its pool %s cannot be read: %r", info.replica_id, info.pool_name, e)
+            self._finish(promotions, False, "same_node", "promotion_fetch", f"from {info.replica_id}: {e!r}")
             return
         try:
             for p in promotions:
-                held = self._held_row(p, info)
-                ok = self._write_local(p, lambda rank, out: holder_pool.read(rank, held.row, p.key, held.generation, out))
-                if ok:
-                    self.bytes_same_node += self._pool.layout.num_ranks * self._pool.layout.slot_bytes
-                self._finish([p], ok, "same_node", None if ok else "promotion_stale", f"from {info.replica_id}")
+                with self._failing([p], "same_node", f"from {info.replica_id}"):
+                    held = self._held_row(p, info)
+                    ok = self._write_local(
+                        p, lambda rank, out: holder_pool.read(rank, held.row, p.key, held.generation, out)
+                    )
+                    if ok:
+                        self.bytes_same_node += self._pool.layout.num_ranks * self._pool.layout.slot_bytes
+                    self._finish([p], ok, "same_node", None if ok else "promotion_stale", f"from {info.replica_id}")
         finally:
-            holder_pool.close()
             self.seconds_same_node += time.perf_counter() - started
+            holder_pool.close()
 
     def _collect(self) -> None:
         now = time.monotonic()
         still = []
         for future, info, promotions, index, asked in self._in_flight:
-            if not future.done():
-                expired = [p for p in promotions if p.deadline <= now]
-                if expired:
-                    self._finish(expired, False, "cross_node", "promotion_timeout", f"from {info.replica_id}")
-                    promotions = [p for p in promotions if p.deadline > now]
-                if promotions:
-                    still.append((future, info, promotions, index, asked))
-                continue
-            try:
-                data, metas = future.result()
-            except Exception as e:
-                logger.warning("promotion from %s failed: %s", info.replica_id, e)
-                self._finish(promotions, False, "cross_node", "promotion_fetch", f"from {info.replica_id}: {e}")
-                continue
-            shipped = shipped_index(metas)
-            for p in promotions:
-                i = index[p.key]
-                ok = metas[i] is not None and self._write_local(
-                    p, lambda rank, out, i=i: _copy_checked(data[rank, shipped[i]], metas[i][rank], out)
-                )
-                if ok:
-                    self.bytes_cross_node += sum(meta.nbytes for meta in metas[i])
-                self._finish([p], ok, "cross_node", None if ok else "promotion_stale", f"from {info.replica_id}")
-            self.seconds_cross_node += time.perf_counter() - asked
+            with self._failing(promotions, "cross_node", f"from {info.replica_id}"):
+                if not future.done():
+                    expired = [p for p in promotions if p.deadline <= now]
+                    if expired:
+                        self._finish(expired, False, "cross_node", "promotion_timeout", f"from {info.replica_id}")
+                        promotions = [p for p in promotions if p.deadline > now]
+                    if promotions:
+                        still.append((future, info, promotions, index, asked))
+                    continue
+                try:
+                    data, metas = future.result()
+                except Exception as e:
+                    logger.warning("promotion from %s failed: %r", info.replica_id, e)
+                    self._finish(promotions, False, "cross_node", "promotion_fetch", f"from {info.replica_id}: {e!r}")
+                    continue
+                shipped = shipped_index(metas)
+                for p in promotions:
+                    with self._failing([p], "cross_node", f"from {info.replica_id}"):
+                        i = index[p.key]
+                        ok = metas[i] is not None and self._write_local(
+                            p, lambda rank, out, i=i: _copy_checked(data[rank, shipped[i]], metas[i][rank], out)
+                        )
+                        if ok:
+                            self.bytes_cross_node += sum(meta.nbytes for meta in metas[i])
+                        self._finish([p], ok, "cross_node", None if ok else "promotion_stale", f"from {info.replica_id}")
+                self.seconds_cross_node += time.perf_counter() - asked
         self._in_flight = still
+
+    @contextlib.contextmanager
+    def _failing(self, promotions: list[Promotion], path: str | None, where: str):
+        """Run a step of `promotions`: should it raise, those of them that have not ended
+        fail, the error is counted and logged once, and the thread goes on."""
+        try:
+            yield
+        except Exception as e:
+            failed = [p for p in promotions if not p.ended]
+            logger.warning("%d promotion(s) %s failed", len(failed), where, exc_info=True)
+            if failed:
+                self._finish(failed, False, path, "promotion_error", f"{where}: {e!r}")
 
     def _write_local(self, p: Promotion, read_slot: Callable[[int, np.ndarray], Sealed | None]) -> bool:
         """Fill every rank's slot of the reserved row through read_slot, then seal it."""
@@ -320,6 +356,7 @@ class Promoter:
         if error is not None:
             self.errors.add(error, f"{len(promotions)} promotion(s) {detail}", len(promotions))
         for p in promotions:
+            p.ended = True
             self._finished.append((p.key, ok, path == "same_node"))
 
 

@@ -71,7 +71,14 @@ def join_cluster(plan: ReplicaPlan, pool: HostPool, local: LocalOffloadingManage
 
     Joins the cluster (`ray_address`; none starts an embedded local Ray), makes sure this
     node's NodeAgent runs, registers the replica with the Directory and wraps `local`.
+    `pool` is the scheduler's mapping of the replica's pool: it claims the replica's name
+    until it closes, and a ValueError says so if a live replica on this node has it.
     """
+    if not pool.claim():
+        raise ValueError(
+            f"replica {plan.replica_id!r}: another live replica on this node already runs under this "
+            f"kv_transfer_config.engine_id (its pool {pool.name} is claimed); give each replica its own engine_id"
+        )
     import ray
 
     from distkv import metrics
@@ -89,7 +96,7 @@ def join_cluster(plan: ReplicaPlan, pool: HostPool, local: LocalOffloadingManage
     info = ReplicaInfo(plan.replica_id, node_id, plan.pool_name, layout.num_rows, layout.num_ranks, layout.slot_bytes)
     link = DirectoryLink(plan.namespace, info, config.directory_shards)
     link.start()
-    promoter = Promoter(pool, node_id, link.replica, AgentFetch(plan.namespace))
+    promoter = Promoter(pool, node_id, link.replica, AgentFetch(plan.namespace), namespace=plan.namespace)
     manager = ClusterOffloadingManager(
         local,
         link,

@@ -18,7 +18,16 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from distkv import metrics
 from distkv.abstract import OffloadKey
-from distkv.directory import Cursor, DirectoryState, ReplicaInfo, check_namespace, check_stored, pack, unpack
+from distkv.directory import (
+    Cursor,
+    DirectoryState,
+    ReplicaInfo,
+    check_namespace,
+    check_pool_namespace,
+    check_stored,
+    pack,
+    unpack,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -50,11 +59,13 @@ class DirectoryShard:
     async def register(self, info: ReplicaInfo, seq: int, stored: bytes, namespace: str) -> tuple[str, bool]:
         """Register a replica afresh and publish everything it holds (packed entries), as one change.
 
-        Every call that changes or reads holders refuses another cache `namespace` (ValueError).
+        Every call that changes or reads holders refuses another cache `namespace` (ValueError),
+        and `register` a replica whose pool is not a segment of this shard's namespace.
         """
         self._check(namespace)
         stored = unpack(stored)
         if isinstance(info, ReplicaInfo):  # else register says what is wrong
+            check_pool_namespace(info.pool_name, self._namespace)
             check_stored(stored, info.num_rows)
         before = self._state.cursor()
         self._state.register(info)

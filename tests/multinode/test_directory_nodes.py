@@ -6,6 +6,7 @@ import ray
 from clusters import simulated_cluster
 
 from distkv.directory import DirectoryLink, ReplicaInfo, pack
+from distkv.pool import segment_name
 from ray_actors.directory import get_or_create_shards, head_node_id, kill_shards
 
 MB = 1024**2
@@ -20,15 +21,15 @@ def cluster():
 def test_holders_on_a_dead_node_are_dropped(cluster):
     worker = cluster.add_node(num_cpus=1, object_store_memory=100 * MB)
     cluster.wait_for_nodes()
-    namespace = "test-" + uuid.uuid4().hex[:8]
+    namespace = "test" + uuid.uuid4().hex[:8]
     shards = get_or_create_shards(namespace, 2)
     head = head_node_id()
-    watcher = DirectoryLink(namespace, ReplicaInfo("watcher", head, "pool-w", 8, 1, 4096), 2)
+    watcher = DirectoryLink(namespace, ReplicaInfo("watcher", head, segment_name(namespace, "watcher"), 8, 1, 4096), 2)
     watcher.start()
     try:
         keys = [i.to_bytes(8, "big") * 4 + b"\0\0\0\0" for i in range(16)]
-        on_worker = ReplicaInfo("far", worker.node_id, "pool-far", 16, 1, 4096)
-        on_head = ReplicaInfo("near", head, "pool-near", 16, 1, 4096)
+        on_worker = ReplicaInfo("far", worker.node_id, segment_name(namespace, "far"), 16, 1, 4096)
+        on_head = ReplicaInfo("near", head, segment_name(namespace, "near"), 16, 1, 4096)
         ray.get([shard.register.remote(on_worker, 1, pack([(k, i, 1) for i, k in enumerate(keys)]), namespace=namespace) for shard in shards])
         ray.get([shard.register.remote(on_head, 1, pack([(k, i, 1) for i, k in enumerate(keys[:4])]), namespace=namespace) for shard in shards])
         watcher.stored([(k, i, 1) for i, k in enumerate(keys[:4])])

@@ -7,6 +7,7 @@ import pytest
 import ray
 
 from distkv.directory import PROMOTED_FLUSH_DELAY_S, DirectoryLink, Holder, ReplicaInfo, pack, shard_of, unpack
+from distkv.pool import segment_name
 from ray_actors.directory import get_or_create_shards, kill_shards
 
 pytestmark = pytest.mark.usefixtures("ray_session")
@@ -35,7 +36,7 @@ def new_keys(n: int) -> list[bytes]:
 
 @pytest.fixture
 def namespace():
-    ns = "test-" + uuid.uuid4().hex[:8]
+    ns = "test" + uuid.uuid4().hex[:8]
     yield ns
     kill_shards(ns)
 
@@ -46,7 +47,7 @@ def make_link(namespace):
 
     def make(replica_id: str, num_shards: int = 2) -> DirectoryLink:
         node_id = ray.get_runtime_context().get_node_id()
-        link = DirectoryLink(namespace, ReplicaInfo(replica_id, node_id, f"pool-{replica_id}", 64, 2, 4096), num_shards)
+        link = DirectoryLink(namespace, ReplicaInfo(replica_id, node_id, segment_name(namespace, replica_id), 64, 2, 4096), num_shards)
         link.start()
         links.append(link)
         return link
@@ -91,7 +92,7 @@ def test_a_long_poll_does_not_wake_for_the_followers_own_publish(namespace):
     (shard,) = get_or_create_shards(namespace, 1)
     node_id = ray.get_runtime_context().get_node_id()
     for replica_id in ("a", "b"):
-        info = ReplicaInfo(replica_id, node_id, f"pool-{replica_id}", 64, 1, 4096)
+        info = ReplicaInfo(replica_id, node_id, segment_name(namespace, replica_id), 64, 1, 4096)
         ray.get(shard.register.remote(info, 1, pack([]), namespace=namespace))
     cursor = unpack(ray.get(shard.changes.remote(None, 0.0, namespace=namespace))).cursor
     polls = {follower: shard.changes.remote(cursor, 1.5, namespace=namespace, follower=follower) for follower in "ab"}
@@ -117,13 +118,17 @@ def test_promoted_blocks_are_published_late_unless_something_else_goes(make_link
     assert visible(b, keys[2:3], "a")
 
 
+def epochs_of(shards) -> list[str]:
+    return [s["epoch"] for s in ray.get([shard.stats.remote() for shard in shards], timeout=30)]
+
+
 def test_restarted_directory_is_refilled_by_the_links(make_link, namespace):
     a, b = make_link("a"), make_link("b")
     keys = new_keys(20)
     a.stored([(k, i, 1) for i, k in enumerate(keys)])
     wait_for(lambda: visible(b, keys, "a"), 10)
     shards = get_or_create_shards(namespace, 2)
-    epochs = [s["epoch"] for s in ray.get([shard.stats.remote() for shard in shards])]
+    epochs = epochs_of(shards)
 
     for shard in shards:
         ray.kill(shard, no_restart=False)
@@ -131,6 +136,9 @@ def test_restarted_directory_is_refilled_by_the_links(make_link, namespace):
     a.stored([(k, 40 + i, 2) for i, k in enumerate(late)])  # while the Directory restarts
     assert b.holders(keys[0])  # the view answers from what it had
 
+    # ray.kill returns before the old incarnations are gone, and they may still answer the
+    # publish of `late` and the query below: wait until only the new ones answer
+    wait_for(lambda: not set(epochs_of(shards)) & set(epochs), 30)
     wait_for(lambda: all(a.query(keys + late, timeout_s=10)), 10)
     wait_for(lambda: visible(b, keys + late, "a"), 5)
     stats = ray.get([shard.stats.remote() for shard in shards])
@@ -153,7 +161,7 @@ def test_replica_that_stops_heartbeating_expires(make_link, namespace):
     (shard,) = get_or_create_shards(namespace, 1, replica_timeout_s=1.5)
     alive, watcher = make_link("alive", 1), make_link("watcher", 1)
     ghost_keys, alive_keys = new_keys(3), new_keys(3)
-    ghost = ReplicaInfo("ghost", watcher.info.node_id, "pool-ghost", 8, 1, 4096)
+    ghost = ReplicaInfo("ghost", watcher.info.node_id, segment_name(namespace, "ghost"), 8, 1, 4096)
     ray.get(shard.register.remote(ghost, 1, pack([(k, i, 1) for i, k in enumerate(ghost_keys)]), namespace=namespace))
     alive.stored([(k, i, 1) for i, k in enumerate(alive_keys)])
     wait_for(lambda: visible(watcher, ghost_keys, "ghost") and visible(watcher, alive_keys, "alive"), 10)
@@ -202,3 +210,22 @@ def test_bad_input_is_refused_before_queueing(make_link):
     with pytest.raises(ValueError, match="is a int, not bytes"):
         a.removed([7])
     assert a.holders(new_keys(1)[0]) == ()
+
+
+def test_register_refuses_a_pool_of_another_namespace(namespace):
+    (shard,) = get_or_create_shards(namespace, 1)
+    node_id = ray.get_runtime_context().get_node_id()
+    ray.get(shard.register.remote(ReplicaInfo("a", node_id, segment_name(namespace, "a"), 8, 1, 4096), 1, pack([]), namespace=namespace))
+    key = new_keys(1)[0]
+    refused = [
+        (segment_name("other" + namespace, "b"), "belongs to cache namespace"),
+        ("pool-b", "not a distkv pool segment name"),
+        ("distkv-" + namespace + "-../../b", "may hold only letters, digits"),
+    ]
+    for pool_name, problem in refused:
+        info = ReplicaInfo("b", node_id, pool_name, 8, 1, 4096)
+        with pytest.raises(ValueError, match=problem):
+            ray.get(shard.register.remote(info, 1, pack([(key, 0, 1)]), namespace=namespace))
+    # nothing of them was applied
+    assert [r["replica_id"] for r in ray.get(shard.replicas.remote())] == ["a"]
+    assert unpack(ray.get(shard.query.remote([key], namespace=namespace))) == [()]

@@ -68,7 +68,7 @@ class FakeClusterSpec(LocalOffloadingSpec):
     def get_manager(self):
         info = ReplicaInfo(self.replica_id, self.node_id, self.pool_name, *self._layout_tuple())
         link = FakeLink(self.directory, info)
-        promoter = Promoter(self.pool, self.node_id, link.replica, self.fetch)
+        promoter = Promoter(self.pool, self.node_id, link.replica, self.fetch, namespace=self.namespace)
         return ClusterOffloadingManager(
             super().get_manager(), link, promoter, self.store_policy, self.timeout_s
         )

@@ -232,7 +232,7 @@ class FakeClusterSpec(LocalOffloadingSpec):
         layout = self.layout
         info = ReplicaInfo(self.replica_id, self.node_id, self.pool_name, layout.num_rows, layout.num_ranks, layout.slot_bytes)
         link = FakeLink(self.directory, info)
-        promoter = Promoter(self.pool, self.node_id, link.replica, self.fetch)
+        promoter = Promoter(self.pool, self.node_id, link.replica, self.fetch, namespace=self.namespace)
         return ClusterOffloadingManager(super().get_manager(), link, promoter, promotion_timeout_s=self.timeout_s)
 
 

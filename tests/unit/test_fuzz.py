@@ -264,7 +264,7 @@ def adapter_manager():
     pool = HostPool(f"distkv-fuzz-{uuid.uuid4().hex[:8]}", layout)
     info = ReplicaInfo("a", "node", pool.name, layout.num_rows, layout.num_ranks, layout.slot_bytes)
     link = FakeLink(FakeDirectory(), info)
-    cluster = ClusterOffloadingManager(LocalOffloadingManager(8), link, Promoter(pool, "node", link.replica, None))
+    cluster = ClusterOffloadingManager(LocalOffloadingManager(8), link, Promoter(pool, "node", link.replica, None, namespace=link.namespace))
     manager = DistkvOffloadingManager(cluster, pool, enable_events=False)
     keys = [good_key(i) for i in range(4)]
     ctx = ReqContext("setup")
