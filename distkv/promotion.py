@@ -2,9 +2,9 @@
 
 The manager reserves a local row for the block (an in-flight store, so lookups say
 "retry" meanwhile) and submits a Promotion. The Promoter's thread reads the holder's
-slots — straight from its shared memory when it is on this node, through the holder
-node's NodeAgent and the object store otherwise — writes them into the reserved row and
-checks every slot against the checksum in the holder's header. The manager collects the
+slots straight from its shared memory when it is on this node, and through a Transport
+(distkv.transport) from another node, into the reserved row, and checks every slot
+against the checksum in the holder's header. The manager collects the
 outcome on its own thread and completes (or fails) the store. A block that does not
 check out is a miss, never data.
 """
@@ -17,8 +17,7 @@ import queue
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
-from concurrent.futures import Future
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -26,66 +25,16 @@ import numpy as np
 from distkv.abstract import OffloadKey
 from distkv.directory import Holder, ReplicaInfo, check_pool_namespace
 from distkv.metrics import MAX_OBSERVATIONS, ErrorLog
-from distkv.pool import HostPool, PoolLayout, Sealed, copy_checksum
+from distkv.pool import HostPool, PoolLayout, Sealed
+from distkv.transport import RowRead, Transfer, Transport
 
 logger = logging.getLogger(__name__)
-
-# Per row, what each rank's slot header says; None for a row that did not check out at
-# the holder.
-SlotMeta = list[Sealed] | None
-# Each asked-for row's metas, and the slots of the rows whose metas are not None, in the
-# order asked, as one (ranks, rows, slot_bytes) array (None when there are none).
-RowsRead = tuple[np.ndarray | None, list[SlotMeta]]
-# fetch(holder's replica info, rows, keys, generations) -> future of RowsRead
-RemoteFetch = Callable[[ReplicaInfo, list[int], list[OffloadKey], list[int]], "Future[RowsRead]"]
-
 
 def layout_of(info: ReplicaInfo) -> PoolLayout:
     return PoolLayout(info.num_rows, info.num_ranks, info.slot_bytes)
 
 
-def read_rows(
-    pool: HostPool, rows: Sequence[int], keys: Sequence[OffloadKey], generations: Sequence[int]
-) -> RowsRead:
-    """What a holder serves: each row's metas as its headers said, and the slots of the
-    rows sealed as key@generation; a row that is not goes out as its None meta only.
-
-    The caller copies the array out (the NodeAgent: Ray, into the object store, as the
-    call's result). For consecutive rows of a one-rank pool the array is a view of the
-    pool, so the rows are copied once; others are gathered first (one contiguous array:
-    the object store's copy of many small arrays is several times slower). A row
-    rewritten after its header was read travels torn or as another block, and fails the
-    reader's check of every slot against the checksum in its meta: a miss, never data.
-    """
-    ranks = range(pool.layout.num_ranks)
-    metas: list[SlotMeta] = []
-    for row, key, gen in zip(rows, keys, generations):
-        meta = [pool.sealed(rank, row, key, gen) for rank in ranks]
-        metas.append(None if None in meta else meta)
-    sealed = [row for row, meta in zip(rows, metas) if meta is not None]
-    if not sealed:
-        return None, metas
-    first = sealed[0]
-    if sealed == list(range(first, first + len(sealed))):
-        data = pool.payload[:, first : first + len(sealed)]
-        if not data.flags.c_contiguous:
-            data = np.ascontiguousarray(data)
-    else:
-        data = pool.payload[:, np.asarray(sealed, dtype=np.int64)]
-    return data, metas
-
-
-def shipped_index(metas: Sequence[SlotMeta]) -> list[int | None]:
-    """Where each row of a RowsRead is in its array: None for a row that was not shipped."""
-    index: list[int | None] = []
-    shipped = 0
-    for meta in metas:
-        index.append(None if meta is None else shipped)
-        shipped += meta is not None
-    return index
-
-
-# wakes the Promoter's thread to collect a fetch
+# wakes the Promoter's thread to collect a transfer
 _FETCHED = object()
 
 
@@ -100,6 +49,16 @@ class Promotion:
     ended: bool = field(default=False, init=False)  # its outcome went to the manager
 
 
+@dataclass
+class _InFlight:
+    """A transfer from another node and the promotions waiting on it."""
+
+    transfer: Transfer
+    holder: ReplicaInfo
+    promotions: list[Promotion]
+    started: float  # time.perf_counter() when it started
+
+
 class Promoter:
     """Runs promotions on one background thread; the manager drains `finished()`.
 
@@ -110,23 +69,23 @@ class Promoter:
     `namespace` are read.
     """
 
-    # A fetch from another node asks for at most this many bytes (one row at least), so
-    # that the holder's copy into the object store, the transfer and the checked copy
-    # here of successive fetches overlap instead of running one after the other. Each
-    # fetch also costs an actor call, an object and a concurrent copy at the holder:
-    # 128 MiB took 120 ms in 32 MiB fetches, 107 in 64 and 112 in one (bench/promote.py,
-    # steady state, two simulated nodes sharing two cores).
+    # A transfer from another node moves at most this many bytes (one row at least), so
+    # that successive transfers overlap their steps (for the object store: the holder's
+    # copy into it, the transfer, the checked copy here) instead of running one after the
+    # other; each transfer has a cost of its own too (docs/benchmarks.md).
     FETCH_BYTES = 64 << 20
-    # The thread wakes when a promotion is submitted or a fetch completes, and at least
-    # this often to fail the promotions past their deadline.
+    # The thread wakes when a promotion is submitted or a transfer says it completed, and
+    # at least this often to fail the promotions past their deadline ...
     IDLE_WAIT_S = 0.05
+    # ... or this often while transfers that say nothing (NIXL reads) are in flight.
+    POLL_S = 0.0002
 
     def __init__(
         self,
         pool: HostPool,
         node_id: str,
         replica_info: Callable[[str], ReplicaInfo | None],
-        fetch_remote: RemoteFetch,
+        transport: Transport,
         *,
         namespace: str,
     ):
@@ -134,13 +93,11 @@ class Promoter:
         self._node_id = node_id
         self._namespace = namespace
         self._replica_info = replica_info
-        self._fetch_remote = fetch_remote
+        self.transport = transport
         # promotions to start; None to stop; _FETCHED when a fetch completed
         self._submitted: queue.SimpleQueue[Promotion | object | None] = queue.SimpleQueue()
         self._finished: deque[tuple[OffloadKey, bool, bool]] = deque()
-        # (future of the rows read, holder, promotions still waiting on it, row index of each
-        # key, when it was asked for)
-        self._in_flight: list[tuple[Future, ReplicaInfo, list[Promotion], dict[OffloadKey, int], float]] = []
+        self._in_flight: list[_InFlight] = []
         self.bytes_same_node = 0
         self.bytes_cross_node = 0
         # time spent promoting, summed over batches (concurrent fetches each count)
@@ -181,8 +138,10 @@ class Promoter:
         while True:
             batch = self._take_batch()
             if batch is None:
-                for _, _, promotions, _, _ in self._in_flight:
-                    self._finish(promotions, False, "cross_node")
+                for flight in self._in_flight:
+                    flight.transfer.cancel()
+                    self._finish(flight.promotions, False, "cross_node")
+                self.transport.close()
                 return
             if batch:
                 self._start(batch)
@@ -191,10 +150,12 @@ class Promoter:
     def _take_batch(self) -> list[Promotion] | None:
         """Everything submitted so far, once something was submitted or a fetch completed.
 
-        Waits at most IDLE_WAIT_S, so that timeouts are noticed that soon."""
+        Waits at most IDLE_WAIT_S (POLL_S while a transfer must be polled), so that
+        timeouts are noticed that soon."""
         batch: list[Promotion] = []
+        polled = any(flight.transfer.polled for flight in self._in_flight)
         try:
-            item = self._submitted.get(timeout=self.IDLE_WAIT_S)
+            item = self._submitted.get(timeout=self.POLL_S if polled else self.IDLE_WAIT_S)
             while True:
                 if item is None:
                     return None
@@ -231,19 +192,20 @@ class Promoter:
 
     def _fetch(self, info: ReplicaInfo, promotions: list[Promotion]) -> None:
         held = [self._held_row(p, info) for p in promotions]
-        asked = time.perf_counter()
+        reads = [RowRead(p.key, h.row, h.generation, p.row) for p, h in zip(promotions, held)]
+        rows = np.array([p.row for p in promotions])
+        for rank in range(self._pool.layout.num_ranks):
+            self._pool.begin_write(rank, rows)  # before any byte of the transfer lands
         try:
-            future = self._fetch_remote(
-                info, [h.row for h in held], [p.key for p in promotions], [h.generation for h in held]
-            )
+            transfer = self.transport.start(info, reads, self._wake)
         except Exception as e:
             logger.warning("promotion from %s could not start", info.replica_id, exc_info=True)
-            self._finish(promotions, False, "cross_node", "promotion_fetch", f"from {info.replica_id}: {e}")
+            self._finish(promotions, False, "cross_node", "promotion_fetch", f"from {info.replica_id}: {e!r}")
             return
-        index = {p.key: i for i, p in enumerate(promotions)}
-        # in flight before the callback may run: a future done already runs it at once
-        self._in_flight.append((future, info, promotions, index, asked))
-        future.add_done_callback(lambda _: self._submitted.put(_FETCHED))
+        self._in_flight.append(_InFlight(transfer, info, promotions, time.perf_counter()))
+
+    def _wake(self) -> None:
+        self._submitted.put(_FETCHED)
 
     def _choose(self, p: Promotion) -> ReplicaInfo | None:
         """A holder whose pool we can read, on this node if possible."""
@@ -287,34 +249,41 @@ class Promoter:
     def _collect(self) -> None:
         now = time.monotonic()
         still = []
-        for future, info, promotions, index, asked in self._in_flight:
-            with self._failing(promotions, "cross_node", f"from {info.replica_id}"):
-                if not future.done():
-                    expired = [p for p in promotions if p.deadline <= now]
-                    if expired:
-                        self._finish(expired, False, "cross_node", "promotion_timeout", f"from {info.replica_id}")
-                        promotions = [p for p in promotions if p.deadline > now]
-                    if promotions:
-                        still.append((future, info, promotions, index, asked))
-                    continue
+        for flight in self._in_flight:
+            with self._failing(flight.promotions, "cross_node", f"from {flight.holder.replica_id}"):
                 try:
-                    data, metas = future.result()
-                except Exception as e:
-                    logger.warning("promotion from %s failed: %r", info.replica_id, e)
-                    self._finish(promotions, False, "cross_node", "promotion_fetch", f"from {info.replica_id}: {e!r}")
-                    continue
-                shipped = shipped_index(metas)
-                for p in promotions:
-                    with self._failing([p], "cross_node", f"from {info.replica_id}"):
-                        i = index[p.key]
-                        ok = metas[i] is not None and self._write_local(
-                            p, lambda rank, out, i=i: _copy_checked(data[rank, shipped[i]], metas[i][rank], out)
-                        )
-                        if ok:
-                            self.bytes_cross_node += sum(meta.nbytes for meta in metas[i])
-                        self._finish([p], ok, "cross_node", None if ok else "promotion_stale", f"from {info.replica_id}")
-                self.seconds_cross_node += time.perf_counter() - asked
+                    if not self._land(flight, now):
+                        still.append(flight)
+                except BaseException:
+                    flight.transfer.cancel()  # its rows are freed once it fails: nothing may land in them
+                    raise
         self._in_flight = still
+
+    def _land(self, flight: _InFlight, now: float) -> bool:
+        """Seal what a transfer brought and end its promotions, once it is done or its
+        first deadline passed; False while it is still in flight."""
+        where = f"from {flight.holder.replica_id}"
+        if not flight.transfer.done():
+            if min(p.deadline for p in flight.promotions) > now:
+                return False
+            flight.transfer.cancel()
+            self._finish(flight.promotions, False, "cross_node", "promotion_timeout", where)
+            return True
+        try:
+            landed = flight.transfer.finish()
+        except Exception as e:
+            logger.warning("promotion %s failed: %r", where, e)
+            self._finish(flight.promotions, False, "cross_node", "promotion_fetch", f"{where}: {e!r}")
+            return True
+        self.seconds_cross_node += time.perf_counter() - flight.started
+        for p, metas in zip(flight.promotions, landed, strict=True):
+            with self._failing([p], "cross_node", where):
+                ok = metas is not None
+                if ok:
+                    self._seal(p, metas)
+                    self.bytes_cross_node += sum(meta.nbytes for meta in metas)
+                self._finish([p], ok, "cross_node", None if ok else "promotion_stale", where)
+        return True
 
     @contextlib.contextmanager
     def _failing(self, promotions: list[Promotion], path: str | None, where: str):
@@ -340,6 +309,13 @@ class Promoter:
             self._pool.seal(rank, rows, [p.key], gens, read.nbytes, [read.checksum], [read.filled])
         return True
 
+    def _seal(self, p: Promotion, metas: list[Sealed]) -> None:
+        """Seal every rank's slot of the reserved row, whose bytes landed and checked out."""
+        rows = np.array([p.row])
+        gens = np.array([p.generation], dtype=np.uint64)
+        for rank, meta in enumerate(metas):
+            self._pool.seal(rank, rows, [p.key], gens, meta.nbytes, [meta.checksum], [meta.filled])
+
     def _finish(
         self, promotions: list[Promotion], ok: bool, path: str | None, error: str | None = None, detail: str = ""
     ) -> None:
@@ -359,7 +335,3 @@ class Promoter:
             p.ended = True
             self._finished.append((p.key, ok, path == "same_node"))
 
-
-def _copy_checked(src: np.ndarray, meta: Sealed, out: np.ndarray) -> Sealed | None:
-    """Copy a slot received from another node; None if it does not match its checksum."""
-    return meta if copy_checksum(out[: meta.nbytes], src[: meta.nbytes]) == meta.checksum else None

@@ -85,6 +85,7 @@ def join_cluster(plan: ReplicaPlan, pool: HostPool, local: LocalOffloadingManage
     from distkv.cluster import ClusterOffloadingManager
     from distkv.directory import DirectoryLink, ReplicaInfo
     from distkv.promotion import Promoter
+    from distkv.transport import ObjectStoreTransport
     from ray_actors.node_agent import RAY_NAMESPACE, AgentFetch, start_node_agent
 
     config = plan.config
@@ -96,7 +97,9 @@ def join_cluster(plan: ReplicaPlan, pool: HostPool, local: LocalOffloadingManage
     info = ReplicaInfo(plan.replica_id, node_id, plan.pool_name, layout.num_rows, layout.num_ranks, layout.slot_bytes)
     link = DirectoryLink(plan.namespace, info, config.directory_shards)
     link.start()
-    promoter = Promoter(pool, node_id, link.replica, AgentFetch(plan.namespace), namespace=plan.namespace)
+    promoter = Promoter(
+        pool, node_id, link.replica, ObjectStoreTransport(pool, AgentFetch(plan.namespace)), namespace=plan.namespace
+    )
     manager = ClusterOffloadingManager(
         local,
         link,

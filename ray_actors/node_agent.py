@@ -13,7 +13,7 @@ from distkv import metrics
 from distkv.abstract import OffloadKey
 from distkv.directory import ReplicaInfo, check_pool_namespace
 from distkv.pool import PoolLayout, PoolReaders
-from distkv.promotion import RowsRead, read_rows
+from distkv.transport import RowsRead, read_rows
 
 RAY_NAMESPACE = "distkv"
 # how often a NodeAgent closes the pools it no longer needs mapped (see PoolReaders)
@@ -48,7 +48,7 @@ class NodeAgent:
         namespace: str,
     ) -> RowsRead:
         """The rows' slots as one (ranks, rows, slot_bytes) array, and each row's metas;
-        (None, [None, ...]) if the pool is gone. See `distkv.promotion.read_rows`.
+        (None, [None, ...]) if the pool is gone. See `distkv.transport.read_rows`.
 
         Refuses (ValueError) a pool that is not a distkv segment of cache `namespace`, and
         a layout that is not one.

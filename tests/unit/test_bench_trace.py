@@ -20,6 +20,7 @@ from distkv.harness import block_keys
 from distkv.manager import LocalOffloadingManager
 from distkv.pool import HostPool, PoolLayout, segment_name
 from distkv.promotion import Promoter
+from distkv.transport import ObjectStoreTransport
 
 REQUESTS = 300
 ROWS = 512  # of the ~1,700 blocks the workload stores
@@ -76,7 +77,7 @@ def test_replay_on_the_cluster_manager_answers_as_recorded_and_publishes(recorde
     pool = HostPool(segment_name("testtrace" + uuid.uuid4().hex[:8], "r0"), PoolLayout(ROWS, 1, 4096))
     try:
         link = FakeLink(directory, ReplicaInfo("this", "node-a", pool.name, ROWS, 1, 4096))
-        promoter = Promoter(pool, "node-a", link.replica, fetch_remote=None, namespace=link.namespace)
+        promoter = Promoter(pool, "node-a", link.replica, ObjectStoreTransport(pool, fetch=None), namespace=link.namespace)
         manager = ClusterOffloadingManager(LocalOffloadingManager(ROWS, recorded.policy), link, promoter)
         try:
             trace.replay(recorded, trace.Subject("distkv cluster", manager, ReqContext))

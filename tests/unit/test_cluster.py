@@ -21,7 +21,8 @@ from distkv.cluster import ClusterOffloadingManager
 from distkv.directory import ReplicaInfo
 from distkv.harness import Replica, block_keys
 from distkv.pool import HostPool
-from distkv.promotion import Promoter, layout_of, read_rows
+from distkv.promotion import Promoter, layout_of
+from distkv.transport import ObjectStoreTransport, read_rows
 from distkv.spec import LocalOffloadingSpec
 
 BLOCK_TOKENS = 16
@@ -68,7 +69,9 @@ class FakeClusterSpec(LocalOffloadingSpec):
     def get_manager(self):
         info = ReplicaInfo(self.replica_id, self.node_id, self.pool_name, *self._layout_tuple())
         link = FakeLink(self.directory, info)
-        promoter = Promoter(self.pool, self.node_id, link.replica, self.fetch, namespace=self.namespace)
+        promoter = Promoter(
+            self.pool, self.node_id, link.replica, ObjectStoreTransport(self.pool, self.fetch), namespace=self.namespace
+        )
         return ClusterOffloadingManager(
             super().get_manager(), link, promoter, self.store_policy, self.timeout_s
         )

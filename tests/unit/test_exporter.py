@@ -32,7 +32,8 @@ from distkv.metrics import (
     segment_owner,
 )
 from distkv.pool import ALL_SUB_BLOCKS, HostPool, Sealed, segment_name
-from distkv.promotion import Promoter, layout_of, read_rows
+from distkv.promotion import Promoter, layout_of
+from distkv.transport import ObjectStoreTransport, read_rows
 from distkv.spec import LocalOffloadingSpec
 
 BLOCK_TOKENS = 16
@@ -232,7 +233,9 @@ class FakeClusterSpec(LocalOffloadingSpec):
         layout = self.layout
         info = ReplicaInfo(self.replica_id, self.node_id, self.pool_name, layout.num_rows, layout.num_ranks, layout.slot_bytes)
         link = FakeLink(self.directory, info)
-        promoter = Promoter(self.pool, self.node_id, link.replica, self.fetch, namespace=self.namespace)
+        promoter = Promoter(
+            self.pool, self.node_id, link.replica, ObjectStoreTransport(self.pool, self.fetch), namespace=self.namespace
+        )
         return ClusterOffloadingManager(super().get_manager(), link, promoter, promotion_timeout_s=self.timeout_s)
 
 

@@ -258,13 +258,14 @@ def adapter_manager():
 
     from distkv.cluster import ClusterOffloadingManager
     from distkv.promotion import Promoter
+    from distkv.transport import ObjectStoreTransport
     from distkv.vllm import DistkvOffloadingManager
 
     layout = PoolLayout(8, 1, PAGE)
     pool = HostPool(f"distkv-fuzz-{uuid.uuid4().hex[:8]}", layout)
     info = ReplicaInfo("a", "node", pool.name, layout.num_rows, layout.num_ranks, layout.slot_bytes)
     link = FakeLink(FakeDirectory(), info)
-    cluster = ClusterOffloadingManager(LocalOffloadingManager(8), link, Promoter(pool, "node", link.replica, None, namespace=link.namespace))
+    cluster = ClusterOffloadingManager(LocalOffloadingManager(8), link, Promoter(pool, "node", link.replica, ObjectStoreTransport(pool, None), namespace=link.namespace))
     manager = DistkvOffloadingManager(cluster, pool, enable_events=False)
     keys = [good_key(i) for i in range(4)]
     ctx = ReqContext("setup")

@@ -12,7 +12,8 @@ import pytest
 import distkv.promotion as promotion
 from distkv.directory import Holder, ReplicaInfo
 from distkv.pool import HostPool, PoolLayout, segment_name
-from distkv.promotion import Promoter, Promotion, read_rows
+from distkv.promotion import Promoter, Promotion
+from distkv.transport import ObjectStoreTransport, read_rows
 
 LAYOUT_FIELDS = (8, 2, 4096)  # rows, ranks, slot bytes
 LAYOUT = PoolLayout(*LAYOUT_FIELDS)
@@ -89,7 +90,7 @@ def world(namespace):
         holders["remote"] = Holding(namespace, "remote", node_id="node-2")
         fetch = Fetch()
         infos = {h.info.replica_id: h.info for h in holders.values()}
-        promoter = Promoter(local, NODE, infos.get, fetch, namespace=namespace)
+        promoter = Promoter(local, NODE, infos.get, ObjectStoreTransport(local, fetch), namespace=namespace)
         yield local, holders, fetch, promoter, infos
         promoter.close()
     finally:

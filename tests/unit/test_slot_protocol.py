@@ -19,6 +19,7 @@ import functools
 import itertools
 import uuid
 from collections.abc import Callable
+from concurrent.futures import Future
 
 import numpy as np
 import pytest
@@ -35,7 +36,8 @@ from distkv.abstract import (
 from distkv.handlers import make_handlers
 from distkv.manager import LocalOffloadingManager
 from distkv.pool import HEADER_BYTES, PAGE_BYTES, HostPool, PoolLayout, PoolLoadStoreSpec, check_landed, segment_name
-from distkv.promotion import _copy_checked, read_rows, shipped_index
+from distkv.directory import ReplicaInfo
+from distkv.transport import ObjectStoreTransport, RowRead, read_rows
 
 SLOT_BYTES = PAGE_BYTES
 HALF = SLOT_BYTES // 2
@@ -167,21 +169,31 @@ class SameNodeRead:
 
 class AgentRead:
     """A NodeAgent's `read_rows`, Ray's copy of its result (in two halves, so that it may
-    be torn), and the requester's checked copy into its own row."""
+    be torn), and the requester's ObjectStoreTransport, which copies and checks each slot
+    into the row reserved for it."""
 
     def __init__(self, row: Row) -> None:
         self.pool = traced(HostPool(row.name, LAYOUT, create=False, member=False))
+        self.local = HostPool(segment_name("t" + uuid.uuid4().hex[:8], "requester"), LAYOUT)
+        self.holder = ReplicaInfo("holder", "node-a", row.name, LAYOUT.num_rows, LAYOUT.num_ranks, LAYOUT.slot_bytes)
+        self.transport = ObjectStoreTransport(self.local, self.agent_read)
+
+    def agent_read(self, info, rows, keys, generations) -> Future:
+        data, metas = read_rows(self.pool, rows, keys, generations)
+        if data is not None:
+            data = np.concatenate([data[..., :HALF], data[..., HALF:]], axis=-1)
+        future: Future = Future()
+        future.set_result((data, metas))
+        return future
 
     def __call__(self, row: Row) -> np.ndarray | None:
-        data, metas = read_rows(self.pool, [row.row], [KEY_A], [row.generation])
-        if metas[0] is None:
-            return None
-        shipped = np.concatenate([data[..., :HALF], data[..., HALF:]], axis=-1)
-        out = np.zeros(SLOT_BYTES, dtype=np.uint8)
-        return out if _copy_checked(shipped[0, shipped_index(metas)[0]], metas[0][0], out) else None
+        transfer = self.transport.start(self.holder, [RowRead(KEY_A, row.row, row.generation, 0)], lambda: None)
+        (metas,) = transfer.finish()
+        return self.local.payload[0, 0].copy() if metas is not None else None
 
     def close(self) -> None:
         self.pool.close()
+        self.local.close()
 
 
 class LocalLoad:
