@@ -191,7 +191,7 @@ class ClusterOffloadingManager(OffloadingManager):
         self._next_round()
         if self.dedupe:
             check_keys(keys)
-            keys = [k for k in keys if not self.link.holders(k)]
+            keys = [k for k in keys if not self._held_in_epoch(k)]
         out = self.local.prepare_store(keys, req_context)
         if out is None:
             self.stores_rejected += 1
@@ -300,6 +300,15 @@ class ClusterOffloadingManager(OffloadingManager):
     def is_promoting(self, key: OffloadKey) -> bool:
         """Whether `key` is being promoted: its local row is reserved and not yet filled."""
         return key in self._promoting
+
+    def _held_in_epoch(self, key: OffloadKey) -> bool:
+        """Whether another replica of this cache epoch holds `key`: one this replica can promote."""
+        replica = self.link.replica
+        for holder in self.link.holders(key):
+            info = replica(holder.replica_id)
+            if info is not None and info.cache_epoch == self.cache_epoch:
+                return True
+        return False
 
     def _defer(self, req_context: ReqContext) -> None:
         """The request's scan answered retry: keep what it found until it is admitted."""

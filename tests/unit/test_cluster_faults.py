@@ -171,6 +171,17 @@ def test_a_reset_replica_never_loads_blocks_of_the_old_weights(replicas, node_b)
     assert a.manager.promoter.succeeded["same_node" if node_b == "node-1" else "cross_node"] == 8
 
 
+def test_dedupe_stores_what_only_other_epochs_hold(replicas):  # noqa: F811
+    a = replicas(directory := FakeDirectory(), "node-1")
+    b = replicas(directory, "node-2", store_policy="dedupe")
+    shared = block_keys(prompt(32, blocks=8), BLOCK_TOKENS)
+    a.serve(prompt(32, blocks=8))
+    ctx = ReqContext("b")
+    assert b.manager.prepare_store(shared, ctx).keys_to_store == []  # A's are B's to promote
+    b.manager.reset_cache()
+    assert b.manager.prepare_store(shared, ctx).keys_to_store == shared  # not any more
+
+
 # ---- finding 7: a promotion never evicts what the same scan just answered HIT ---------
 
 
