@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import math
 import time
 from collections.abc import Collection, Iterable
 
@@ -24,6 +26,9 @@ logger = logging.getLogger(__name__)
 
 # Failed promotions remembered (so that lookups answer a miss, not a new try) at most.
 MAX_FAILED_KEYS = 1 << 16
+# The Promoter fails a promotion at its deadline itself; the manager fails one the
+# Promoter has not reported this long after (its thread is stuck or gone).
+OVERDUE_GRACE_S = 1.0
 
 
 class ClusterOffloadingManager(OffloadingManager):
@@ -38,6 +43,23 @@ class ClusterOffloadingManager(OffloadingManager):
     Nothing here waits on the network: the view is an in-process dict, promotions and
     publishing run on background threads, and their results are applied here, on the
     scheduler's thread, at the next call.
+
+    A promotion's reserved row belongs to the Promoter until it reports the promotion.
+    One it has not reported OVERDUE_GRACE_S after its deadline, and every one in flight
+    at reset_cache, is abandoned: a miss at once, its row retired in the local manager
+    (never reused) until the report comes. A key has one promotion at most: the local
+    manager does not store a key again while its retired row is in use.
+
+    A promotion never evicts a block that a scan has just answered HIT, which would turn
+    the scan's prefix into a miss when the request comes back for it: it spares those
+    found since the last prepare_store (vLLM offers stores after the step's scans), and
+    those found by a request whose scan was deferred (answered retry) until that request
+    loads, stores or finishes (request_finished), or its promotions' deadlines have
+    passed. Lookups stamp the blocks they find with the scan round, one int store.
+
+    reset_cache moves the replica to the next cache epoch: it registers again under
+    "<replica_id>.epoch<n>" with `cache_epoch` n, and promotes only from holders of its
+    own epoch, so that blocks computed before a weight update are never loaded after it.
     """
 
     def __init__(
@@ -63,7 +85,22 @@ class ClusterOffloadingManager(OffloadingManager):
         self._events: list[OffloadingEvent] = []
         # keys whose promotion failed, and until when lookups answer False for them
         self._failed: dict[OffloadKey, float] = {}
-        self._promoting: set[OffloadKey] = set()
+        # promotions in flight -> when the manager fails them if the Promoter has not, in
+        # submission order, so the earliest is first
+        self._promoting: dict[OffloadKey, float] = {}
+        # no promotion is overdue before this (a lower bound, so the hot path reads one float)
+        self._next_overdue = math.inf
+        # abandoned promotions whose report is still due (see the class docstring)
+        self._abandoned: set[OffloadKey] = set()
+        self._replica_name = link.info.replica_id
+        # Protection of looked-up blocks: lookups stamp them with the current scan round
+        # (advanced by each prepare_store); requests answered retry, by req_id, with the
+        # round of that answer and when their protection lapses.
+        self._round = 0
+        self._waiting: dict[str, tuple[int, float]] = {}
+        # promotions spare the blocks stamped with a round at least this
+        self._protect_from = 0
+        self.cache_epoch = link.info.cache_epoch
         # promoted blocks no load has used yet, and whether each came from this node
         self._promoted: dict[OffloadKey, bool] = {}
         # blocks handed to loads so far, by where they came from
@@ -94,6 +131,7 @@ class ClusterOffloadingManager(OffloadingManager):
         except TypeError:  # unhashable, so not bytes
             raise ValueError(key_problem(key)) from None
         if block is not None:
+            block.seen = self._round
             if block.refs >= 0:
                 self.lookups_local_hit += 1.0
                 return True
@@ -107,24 +145,31 @@ class ClusterOffloadingManager(OffloadingManager):
         hit = self._promote(key, holders) if holders else False
         if hit is False:
             self.lookups_miss += 1.0
+        else:
+            self._defer(req_context)
         return hit
 
     def _lookup_in_flight(self, key: OffloadKey, req_context: ReqContext) -> bool | None:
         """A local block whose store or promotion has not completed, as of the last check."""
         if self.promoter.has_finished():
             self._apply_promotions()
+        if key in self._promoting:
+            self._fail_overdue()
         hit = self.local.lookup(key, req_context)
         if hit:
             self.lookups_local_hit += 1.0
             return True
         if hit is None:
             self.lookups_retry += 1.0
+            self._defer(req_context)
             return None
         self.lookups_miss += 1.0  # its promotion just failed
         return False
 
     def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> LoadStoreSpec:
         spec = self.local.prepare_load(keys, req_context)
+        if self._waiting:
+            self._waiting.pop(req_context.req_id, None)  # admitted: its load pins what it uses
         for key in keys:
             same_node = self._promoted.pop(key, None)
             self.blocks_loaded["local" if same_node is None else "same_node" if same_node else "cross_node"] += 1
@@ -139,9 +184,14 @@ class ClusterOffloadingManager(OffloadingManager):
     def prepare_store(self, keys: Collection[OffloadKey], req_context: ReqContext) -> PrepareStoreOutput | None:
         if self.promoter.has_finished():
             self._apply_promotions()
+        if self._promoting:
+            self._fail_overdue()
+        if self._waiting:
+            self._waiting.pop(req_context.req_id, None)
+        self._next_round()
         if self.dedupe:
             check_keys(keys)
-            keys = [k for k in keys if not self.link.holders(k)]
+            keys = [k for k in keys if not self._held_in_epoch(k)]
         out = self.local.prepare_store(keys, req_context)
         if out is None:
             self.stores_rejected += 1
@@ -155,23 +205,36 @@ class ClusterOffloadingManager(OffloadingManager):
     def take_events(self) -> Iterable[OffloadingEvent]:
         if self.promoter.has_finished():
             self._apply_promotions()
+        if self._promoting:
+            self._fail_overdue()
         events, self._events = self._events, []
         return events
 
     def reset_cache(self) -> None:
-        # A promotion fills its reserved row from the Promoter's thread: let the running
-        # ones end (each does within promotion_timeout_s) before the reset frees rows that
-        # new stores may then reuse.
-        deadline = time.monotonic() + self.promotion_timeout_s + 1.0
-        while self._promoting and time.monotonic() < deadline:
-            time.sleep(0.001)
-            self._apply_promotions()
-        if self._promoting:
-            logger.warning("distkv: resetting with %d promotions still running", len(self._promoting))
+        # Running promotions keep writing their reserved rows: abandoned, their rows stay
+        # retired until the Promoter reports them. No waiting on the scheduler's thread.
+        self._abandoned.update(self._promoting)
+        self._promoting.clear()
+        self._next_overdue = math.inf
         self.local.reset_cache()
         self._failed.clear()
         self._promoted.clear()
-        self._forward_events()
+        self._forward_events()  # the removals go out under the old epoch's id
+        self.cache_epoch += 1
+        self.link.set_info(
+            dataclasses.replace(
+                self.link.info, replica_id=f"{self._replica_name}.epoch{self.cache_epoch}", cache_epoch=self.cache_epoch
+            )
+        )
+
+    def request_finished(self, req_context: ReqContext) -> None:
+        """The request ended: the blocks it found are no longer protected for it."""
+        self._waiting.pop(req_context.req_id, None)
+
+    def on_reset_flushed(self) -> None:
+        """The engine's jobs in flight at the last reset_cache have all ended: their rows are
+        free again (abandoned promotions' rows wait for the Promoter's reports)."""
+        self.local.on_reset_flushed(self._abandoned)
 
     def shutdown(self) -> None:
         self.promoter.close()
@@ -238,6 +301,57 @@ class ClusterOffloadingManager(OffloadingManager):
         """Whether `key` is being promoted: its local row is reserved and not yet filled."""
         return key in self._promoting
 
+    def _held_in_epoch(self, key: OffloadKey) -> bool:
+        """Whether another replica of this cache epoch holds `key`: one this replica can promote."""
+        replica = self.link.replica
+        for holder in self.link.holders(key):
+            info = replica(holder.replica_id)
+            if info is not None and info.cache_epoch == self.cache_epoch:
+                return True
+        return False
+
+    def _defer(self, req_context: ReqContext) -> None:
+        """The request's scan answered retry: keep what it found until it is admitted."""
+        lapses = time.monotonic() + self.promotion_timeout_s + OVERDUE_GRACE_S
+        self._waiting[req_context.req_id] = (self._round, lapses)
+
+    def _next_round(self) -> None:
+        """Start a new scan round: protect what lookups find from now on, and what deferred
+        requests found since their latest scan."""
+        self._round += 1
+        protect_from = self._round
+        if self._waiting:
+            now = time.monotonic()
+            for req_id, (found_in, lapses) in list(self._waiting.items()):
+                if lapses <= now:
+                    del self._waiting[req_id]  # its promotions have ended: a rescan decides
+                elif found_in < protect_from:
+                    protect_from = found_in
+        self._protect_from = protect_from
+
+    def _fail_overdue(self) -> None:
+        """Abandon, as misses, the promotions the Promoter has not reported in time."""
+        now = time.monotonic()
+        if now < self._next_overdue:
+            return
+        overdue = []
+        self._next_overdue = math.inf
+        for key, overdue_at in self._promoting.items():
+            if overdue_at > now:
+                self._next_overdue = overdue_at
+                break
+            overdue.append(key)
+        if not overdue:
+            return
+        logger.warning("distkv: %d promotions not reported by their deadline, failed as misses", len(overdue))
+        self.errors.add("promotion_timeout", f"{len(overdue)} promotion(s) the promoter never reported", len(overdue))
+        for key in overdue:
+            del self._promoting[key]
+            self._failed[key] = now + self.promotion_timeout_s
+        self._abandoned.update(overdue)
+        self.local.retire(overdue)
+        self.lookups_miss += len(overdue)
+
     def _promote(self, key: OffloadKey, holders) -> bool | None:
         now = time.monotonic()
         failed_until = self._failed.get(key)
@@ -245,25 +359,33 @@ class ClusterOffloadingManager(OffloadingManager):
             if failed_until > now:
                 return False
             del self._failed[key]
-        out = self.local.prepare_store([key], self._promotion_ctx)
+        out = self.local.prepare_store([key], self._promotion_ctx, protect_from=self._protect_from)
         self._forward_events()
         if out is None or not out.keys_to_store:
             return False  # no room: compute it instead
         spec = out.store_spec
-        self._promoting.add(key)
+        deadline = now + self.promotion_timeout_s
+        if not self._promoting:
+            self._next_overdue = deadline + OVERDUE_GRACE_S
+        self._promoting[key] = deadline + OVERDUE_GRACE_S
         self.promoter.submit(
-            Promotion(key, int(spec.block_ids[0]), int(spec.generations[0]), holders, now + self.promotion_timeout_s)
+            Promotion(key, int(spec.block_ids[0]), int(spec.generations[0]), holders, deadline, cache_epoch=self.cache_epoch)
         )
         return None
 
     def _apply_promotions(self) -> None:
         retry_at = time.monotonic() + self.promotion_timeout_s
-        succeeded, failed = [], []
+        succeeded, failed, ended = [], [], []
         for key, ok, same_node in self.promoter.finished():
-            self._promoting.discard(key)
+            if self._promoting.pop(key, None) is None:
+                self._abandoned.discard(key)
+                ended.append(key)
+                continue
             (succeeded if ok else failed).append(key)
             if ok:
                 self._promoted[key] = same_node
+        if ended:  # abandoned: their retired rows are free again, whatever the outcome
+            self.local.complete_store(ended, self._promotion_ctx, success=False)
         self.lookups_remote_hit += len(succeeded)
         self.lookups_miss += len(failed)
         if succeeded:

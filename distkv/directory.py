@@ -58,7 +58,12 @@ class Holder(NamedTuple):
 
 @dataclass(frozen=True)
 class ReplicaInfo:
-    """A replica that holds blocks, and the layout of its pool so a reader can map its rows."""
+    """A replica that holds blocks, and the layout of its pool so a reader can map its rows.
+
+    `cache_epoch` counts the replica's cache resets: replicas share blocks only within one
+    epoch. It is part of the replica's id too (see ClusterOffloadingManager), so an id's
+    info never changes and no view can pair a holder with another epoch's info.
+    """
 
     replica_id: str
     node_id: str
@@ -66,6 +71,7 @@ class ReplicaInfo:
     num_rows: int
     num_ranks: int
     slot_bytes: int
+    cache_epoch: int = 0
 
     def __post_init__(self) -> None:
         for name in ("replica_id", "node_id", "pool_name"):
@@ -76,6 +82,8 @@ class ReplicaInfo:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"ReplicaInfo.{name}={value!r}: must be a positive int")
+        if type(self.cache_epoch) is not int or self.cache_epoch < 0:
+            raise ValueError(f"ReplicaInfo.cache_epoch={self.cache_epoch!r}: must be an int >= 0")
 
 
 class Cursor(NamedTuple):
@@ -482,7 +490,7 @@ class ShardView:
 
 
 # what an item of a link's inbox holds
-_STORED, _READY, _PROMOTED, _REMOVED = range(4)
+_STORED, _READY, _PROMOTED, _REMOVED, _NEW_INFO = range(5)
 # The link flushes a shard's pending changes at most this often, so they travel in batches.
 FLUSH_INTERVAL_S = 0.003
 # Promoted blocks wait up to this long for a batch of their own (any other change takes
@@ -631,6 +639,14 @@ class DirectoryLink:
         check_keys(keys)
         self._queue(_REMOVED, keys)
 
+    def set_info(self, info: ReplicaInfo) -> None:
+        """Register on every shard as `info` from now on (the replica's next cache epoch)
+        and unregister the old id. Ordered with `stored` and `removed`: what was queued
+        before goes out under the old id, what comes after under the new one. Never blocks."""
+        if not isinstance(info, ReplicaInfo):
+            raise ValueError(f"DirectoryLink.set_info: {info!r} is not a ReplicaInfo")
+        self._queue(_NEW_INFO, (info,))
+
     def _queue(self, what: int, items: Sequence) -> None:
         self._inbox.append((what, items))
         if self._listening and not self._wake.is_set():  # set() takes a lock even when already set
@@ -705,7 +721,9 @@ class DirectoryLink:
         while inbox:
             what, items = inbox.popleft()
             only_promoted = only_promoted and what == _PROMOTED
-            if what != _REMOVED:
+            if what == _NEW_INFO:
+                self._switch_info(items[0])
+            elif what != _REMOVED:
                 if what != _STORED:
                     items = ((key, block.row, block.generation) for key, block in items)
                 for key, row, generation in items:
@@ -731,6 +749,18 @@ class DirectoryLink:
                 # the event lag is that of stores and removals, not of promoted blocks held back
                 if shard.pending_since is None and not only_promoted:
                     shard.pending_since = now
+
+    def _switch_info(self, info: ReplicaInfo) -> None:
+        """Unregister the old id and register `info`, with what the replica holds now, on every shard."""
+        old_id, self.info = self.info.replica_id, info
+        now = time.monotonic()
+        for shard in self._shards:
+            shard.view.exclude = info.replica_id
+            try:
+                shard.actor.unregister.remote(old_id, namespace=self.namespace)
+            except Exception as e:  # the shard is down: its restart forgets the old id anyway
+                self.errors.add("directory_publish", f"shard {shard.index}: unregister failed: {e}")
+            self._resync_later(shard, now)
 
     def _service(self, shard: _Shard, now: float) -> float:
         """Collect the shard's finished calls and start the next ones; when it next needs attention."""

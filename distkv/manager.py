@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import math
 import time
-from collections.abc import Collection, Iterable, Mapping
+from collections.abc import Collection, Container, Iterable, Mapping
 
 from distkv.abstract import (
     OffloadingEvent,
@@ -42,14 +43,17 @@ def check_keys(keys: Iterable[object]) -> None:
 
 
 class _Block:
-    """A block in a pool row. refs: -1 while its store is in flight, else the loads reading it."""
+    """A block in a pool row. refs: -1 while its store is in flight, else the loads reading it.
+    seen: a stamp of the last lookup that found it, set by a wrapping manager for
+    prepare_store's protect_from."""
 
-    __slots__ = ("row", "generation", "refs")
+    __slots__ = ("row", "generation", "refs", "seen")
 
     def __init__(self, row: int, generation: int, refs: int) -> None:
         self.row = row
         self.generation = generation
         self.refs = refs
+        self.seen = -1
 
 
 class LocalOffloadingManager(OffloadingManager):
@@ -58,12 +62,16 @@ class LocalOffloadingManager(OffloadingManager):
     Every stored block gets a fresh generation from a counter that starts at the wall
     clock in nanoseconds, so a row's header never shows a generation that an earlier
     process (or an earlier block of this one) sealed. A block is evictable only while
-    it is ready and not pinned by a load.
+    it is ready and not pinned by a load; prepare_store's `protect_from` spares more.
 
-    reset_cache drops every block at once. Completions of the jobs it interrupted are
-    ignored: complete_store of a dropped key finds nothing in flight, and complete_load
-    spends the pins the reset dropped (after any pin of a live block of the same key, so
-    that a block stored again is never held by a load that will not come back).
+    reset_cache drops every block at once, but a row that a job still reads or writes (a
+    load's pin, a store in flight) is *retired*, not freed: it returns to the free list
+    when that job's completion arrives, or at on_reset_flushed, once the engine says no
+    job it had in flight at the reset will still touch its rows. While a key has a retired
+    job, prepare_store leaves the key out (a lost store, so a miss) and the key is never
+    in the block table: a key has jobs of one block at most, so a completion, which names
+    keys only, always belongs to the block it finds, and a stale one never reaches a
+    newer block of the same key.
     """
 
     def __init__(self, num_rows: int, policy: str = "lru", medium: str = "CPU") -> None:
@@ -79,8 +87,9 @@ class LocalOffloadingManager(OffloadingManager):
         self._num_evictable = 0
         self._next_generation = time.time_ns()
         self._events: list[OffloadingEvent] = []
-        # pins that reset_cache dropped with their blocks, for the loads still to complete
-        self._dropped_pins: dict[OffloadKey, int] = {}
+        # Blocks reset_cache or retire dropped while a job still used them (refs as in
+        # _blocks: -1 a store in flight, else its loads), keeping their rows until it ends.
+        self._retired: dict[OffloadKey, _Block] = {}
         # When a list, complete_store appends the (key, block) of each block it makes
         # loadable: how a wrapping manager learns their rows and generations without
         # looking every key up again.
@@ -172,8 +181,8 @@ class LocalOffloadingManager(OffloadingManager):
 
     def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
         blocks = self._blocks
-        released: list[_Block] = []
-        released_dropped: list[OffloadKey] = []
+        retired = self._retired
+        released: list[tuple[OffloadKey, _Block]] = []
         try:
             for key in keys:
                 block = blocks.get(key)
@@ -181,36 +190,39 @@ class LocalOffloadingManager(OffloadingManager):
                     block.refs -= 1
                     if block.refs == 0:
                         self._num_evictable += 1
-                    released.append(block)
-                elif self._dropped_pins.get(key):
-                    self._release_dropped_pin(key)
-                    released_dropped.append(key)
                 else:
-                    break
+                    # a key with a retired block is never in the table: this is its load
+                    block = retired.get(key)
+                    if block is None or block.refs <= 0:
+                        break
+                    block.refs -= 1
+                released.append((key, block))
             else:
+                if retired:
+                    for key, block in released:
+                        if block.refs == 0 and retired.get(key) is block:
+                            self._free_retired(key)
                 return
             problem = key_problem(key) or f"offload key {key!r} is not pinned by a load"
         except TypeError:
             problem = key_problem(key)
-        for block in released:
-            if block.refs == 0:
+        for key, block in released:
+            if block.refs == 0 and blocks.get(key) is block:
                 self._num_evictable -= 1
             block.refs += 1
-        for key in released_dropped:
-            self._dropped_pins[key] = self._dropped_pins.get(key, 0) + 1
         raise ValueError(f"complete_load: {problem}")
 
-    def _release_dropped_pin(self, key: OffloadKey) -> None:
-        count = self._dropped_pins[key] - 1
-        if count:
-            self._dropped_pins[key] = count
-        else:
-            del self._dropped_pins[key]
+    def _free_retired(self, key: OffloadKey) -> None:
+        """The last job of retired block `key` ended: its row is free again."""
+        self._free_rows.append(self._retired.pop(key).row)
 
     def prepare_store(
-        self, keys: Collection[OffloadKey], req_context: ReqContext
+        self, keys: Collection[OffloadKey], req_context: ReqContext, *, protect_from: float = math.inf
     ) -> PrepareStoreOutput | None:
+        """The seed API's prepare_store; blocks whose `seen` is at least `protect_from` are
+        not evicted for it either."""
         blocks = self._blocks
+        retired = self._retired
         try:
             offered = dict.fromkeys(keys)
         except TypeError:
@@ -224,7 +236,9 @@ class LocalOffloadingManager(OffloadingManager):
             if block is None:
                 if not (isinstance(key, bytes) and MIN_KEY_BYTES <= len(key) <= MAX_KEY_BYTES):
                     raise ValueError(f"prepare_store: {key_problem(key)}")
-                keys_to_store.append(key)
+                # a key whose retired job has not ended is left out: see the class docstring
+                if not retired or key not in retired:
+                    keys_to_store.append(key)
             elif block.refs == 0:
                 num_protected += 1
 
@@ -239,7 +253,8 @@ class LocalOffloadingManager(OffloadingManager):
             if num_to_evict > self._num_evictable - num_protected:
                 return None
             victims = self._policy.evict(
-                num_to_evict, lambda key: blocks[key].refs == 0 and key not in offered
+                num_to_evict,
+                lambda key: (block := blocks[key]).refs == 0 and block.seen < protect_from and key not in offered,
             )
             if victims is None:
                 return None
@@ -269,7 +284,9 @@ class LocalOffloadingManager(OffloadingManager):
         self, keys: Collection[OffloadKey], req_context: ReqContext, success: bool = True
     ) -> None:
         blocks = self._blocks
+        retired = self._retired
         landed: list[tuple[OffloadKey, _Block]] = []
+        ended: list[OffloadKey] = []  # stores of retired blocks: their rows are free again
         try:
             for key in keys:
                 block = blocks.get(key)
@@ -279,9 +296,16 @@ class LocalOffloadingManager(OffloadingManager):
                     problem = key_problem(key)
                     if problem is not None:
                         raise ValueError(f"complete_store: {problem}")
+                    # a key with a retired block is never in the table: this is its store
+                    block = retired.get(key)
+                    if block is not None and block.refs < 0:
+                        ended.append(key)
         except TypeError:
             check_keys(keys)
             raise
+        for key in ended:
+            if key in retired:  # a key repeated in `keys` ends once
+                self._free_retired(key)
         done: list[OffloadKey] = []
         if success:
             for key, block in landed:
@@ -308,15 +332,36 @@ class LocalOffloadingManager(OffloadingManager):
 
     def reset_cache(self) -> None:
         stored: list[OffloadKey] = []
-        dropped_pins = self._dropped_pins
+        retired = self._retired
         for key, block in self._blocks.items():
             if block.refs >= 0:
                 stored.append(key)
-                if block.refs:
-                    dropped_pins[key] = dropped_pins.get(key, 0) + block.refs
+            if block.refs != 0:
+                retired[key] = block
         self._blocks.clear()
         self._policy.clear()
-        self._free_rows = list(range(self._num_rows - 1, -1, -1))
+        in_use = {block.row for block in retired.values()}
+        self._free_rows = [row for row in range(self._num_rows - 1, -1, -1) if row not in in_use]
         self._num_evictable = 0
         if stored:
             self._events.append(OffloadingEvent(stored, self._medium, True))
+
+    def retire(self, keys: Collection[OffloadKey]) -> None:
+        """Drop the in-flight stores of `keys` (others are ignored) from the block table, as
+        reset_cache does: lookups miss them at once, and each row is freed when its
+        complete_store arrives, which must still come."""
+        check_keys(keys)
+        blocks = self._blocks
+        for key in keys:
+            block = blocks.get(key)
+            if block is not None and block.refs < 0:
+                del blocks[key]
+                self._policy.remove(key)
+                self._retired[key] = block
+
+    def on_reset_flushed(self, still_running: Container[OffloadKey] = ()) -> None:
+        """Every job the engine had in flight at the last reset_cache has ended, reported
+        or not: the rows of retired blocks are free again, except those of
+        `still_running`, jobs of another party (promotions) that will still complete."""
+        for key in [key for key in self._retired if key not in still_running]:
+            self._free_retired(key)

@@ -46,6 +46,7 @@ class Promotion:
     holders: tuple[Holder, ...]
     deadline: float  # time.monotonic() after which it fails
     submitted: float = field(default_factory=time.monotonic)  # when the manager asked for it
+    cache_epoch: int = 0  # the replica's cache epoch: only holders of the same one are read
     ended: bool = field(default=False, init=False)  # its outcome went to the manager
 
 
@@ -208,12 +209,16 @@ class Promoter:
         self._submitted.put(_FETCHED)
 
     def _choose(self, p: Promotion) -> ReplicaInfo | None:
-        """A holder whose pool we can read, on this node if possible."""
+        """A holder of the promotion's cache epoch whose pool we can read, on this node if possible."""
         mine = self._pool.layout
         candidates = []
         for holder in p.holders:
             info = self._replica_info(holder.replica_id)
-            if info is not None and (info.num_ranks, info.slot_bytes) == (mine.num_ranks, mine.slot_bytes):
+            if (
+                info is not None
+                and info.cache_epoch == p.cache_epoch
+                and (info.num_ranks, info.slot_bytes) == (mine.num_ranks, mine.slot_bytes)
+            ):
                 candidates.append(info)
         candidates.sort(key=lambda info: info.node_id != self._node_id)
         return candidates[0] if candidates else None

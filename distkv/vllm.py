@@ -146,7 +146,8 @@ class DistkvOffloadingManager(OffloadingManager):
     the block is being promoted from another replica (it may still fail into a miss),
     HIT_PENDING while a store of this replica is (it only waits for the worker).
     Recency is applied when a request finishes: the blocks it loaded, or offered for
-    storing and found stored, are touched in the order it used them.
+    storing and found stored, are touched in the order it used them. Until then the
+    blocks its lookups answered HIT are protected from eviction by the cluster manager.
     """
 
     def __init__(self, cluster: ClusterOffloadingManager, pool: HostPool, enable_events: bool):
@@ -206,6 +207,7 @@ class DistkvOffloadingManager(OffloadingManager):
         return RequestOffloadingContext()
 
     def on_request_finished(self, req_context: ReqContext) -> None:
+        self.cluster.request_finished(req_context)
         used = req_context.get_state(_ReusedKeys)
         if used is not None and used.keys:
             self.cluster.touch(list(used.keys), req_context)
@@ -238,8 +240,13 @@ class DistkvOffloadingManager(OffloadingManager):
         return stats
 
     def reset_cache(self) -> None:
-        self.cluster.reset_cache()  # waits for the promotions in flight
+        # vLLM completes none of the jobs in flight now: their rows stay out of use until
+        # on_reset_flushed says the workers have finished with them.
+        self.cluster.reset_cache()
         self._collect_events()
+
+    def on_reset_flushed(self) -> None:
+        self.cluster.on_reset_flushed()
 
     def shutdown(self) -> None:
         self.cluster.shutdown()

@@ -158,3 +158,25 @@ def test_node_agent_lets_go_of_a_removed_pool(ray_session):
     while agents_mapping(r.spec.pool_name):
         assert time.monotonic() < deadline, "the agent still maps the removed pool"
         time.sleep(0.2)
+
+
+def test_a_reset_replica_shares_only_within_its_cache_epoch(replicas):
+    salt = uuid.uuid4().hex
+    a, b = replicas(salt), replicas(salt)
+    old = prompt(5, blocks=8)
+    a.serve(old)
+    wait_visible(b, block_keys(old, BLOCK_TOKENS)[-1])
+    b_name = b.manager.link.info.replica_id
+    b.manager.reset_cache()  # B's weights were updated
+    assert b.serve(old).hit_blocks == 0  # A's blocks are of the old weights
+    fresh = prompt(6, blocks=8)
+    b.serve(fresh)
+    last = block_keys(fresh, BLOCK_TOKENS)[-1]
+    wait_visible(a, last, timeout=30.0)
+    assert {h.replica_id for h in a.manager.link.holders(last)} == {f"{b_name}.epoch1"}
+    assert a.serve(fresh).hit_blocks == 0  # A, still at epoch 0, does not take them
+    a.manager.reset_cache()  # the same update on A: they share again
+    assert a.serve(fresh).hit_blocks == 8
+    shards = get_or_create_shards(a.spec.namespace, b.manager.link.num_shards)
+    registered = {r["replica_id"]: r["cache_epoch"] for s in shards for r in ray.get(s.replicas.remote())}
+    assert registered.get(f"{b_name}.epoch1") == 1 and b_name not in registered

@@ -52,6 +52,14 @@ class FakeLink:
     def __contains__(self, key):
         return bool(self.holders(key))
 
+    def set_info(self, info):
+        """Unregister the old id (dropping its holders) and register `info`, as the link does."""
+        for holders in self.directory.holders.values():
+            holders.pop(self.info.replica_id, None)
+        del self.directory.infos[self.info.replica_id]
+        self.info = info
+        self.directory.infos[info.replica_id] = info
+
     def replica(self, replica_id):
         return self.directory.infos.get(replica_id)
 

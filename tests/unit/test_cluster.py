@@ -197,27 +197,35 @@ def test_corruption_in_transit_is_a_miss(replicas):
     assert promoter.succeeded["cross_node"] == 0 and promoter.failed["cross_node"] >= 1
 
 
-def test_reset_cache_waits_for_promotions_in_flight(replicas):
-    # a promotion writes into its reserved row: the reset must not free that row under it
+def test_a_promotion_outliving_a_reset_keeps_its_row_until_it_ends(replicas):
+    # a promotion writes into its reserved row: the reset must not free that row under it,
+    # however long the promotion still takes (the reset itself does not wait)
     directory = FakeDirectory()
     fetch = PoolFetch(hold=True)
     a = replicas(directory, "node-1")
-    b = replicas(directory, "node-2", fetch=fetch)
+    b = replicas(directory, "node-2", fetch=fetch, pool_blocks=4)
     tokens = prompt(6, blocks=4)
     a.serve(tokens)
     key = block_keys(tokens, BLOCK_TOKENS)[0]
     assert b.manager.lookup(key, ReqContext("probe")) is None
-    deadline = time.monotonic() + 5
-    while not fetch.pending:
-        assert time.monotonic() < deadline
-        time.sleep(0.001)
-    releaser = threading.Timer(0.3, fetch.release)
-    releaser.start()
-    start = time.monotonic()
+    wait_until(lambda: fetch.pending)
+    (promoted_row,) = [block.row for block in b.manager.local.blocks.values()]
     b.manager.reset_cache()
-    assert time.monotonic() - start >= 0.25
     assert b.manager.promotions_in_flight == 0
-    assert b.manager.local.num_free_rows == b.manager.local.num_rows
+    local = b.manager.local
+    assert local.num_free_rows == local.num_rows - 1
+    ctx = ReqContext("after")
+    others = [bytes([i]) * 8 for i in range(1, 5)]
+    assert b.manager.prepare_store(others, ctx) is None  # three rows are free, not four
+    out = b.manager.prepare_store(others[:3], ctx)
+    assert promoted_row not in out.store_spec.block_ids.tolist()
+    fetch.release()
+    wait_until(b.manager.promoter.has_finished)
+    b.manager.take_events()
+    assert local.num_free_rows == 1  # the promotion's row, back once it ended
+    assert local.lookup(key, ctx) is False  # and nothing of it was made loadable
+    b.manager.complete_store(others[:3], ctx)
+    assert local.num_free_rows == local.num_rows - 3
 
 
 def test_promotion_that_never_answers_times_out_into_a_miss(replicas):
@@ -297,3 +305,11 @@ def wait_lookup(replica, key, timeout=5.0):
             return hit
         time.sleep(0.005)
     raise AssertionError("lookup kept answering retry")
+
+
+def wait_until(condition, timeout=10.0):
+    """Wait for another thread's step; the bound only keeps a broken test from hanging."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "the other thread never got there"
+        time.sleep(0.001)

@@ -141,7 +141,7 @@ def manager_state(m: LocalOffloadingManager):
         m._num_evictable,
         list(m._policy._order) if hasattr(m._policy, "_order") else None,
         len(m._events),
-        dict(m._dropped_pins),
+        {k: (b.row, b.refs) for k, b in m._retired.items()},
     )
 
 

@@ -54,7 +54,7 @@ def state(manager: LocalOffloadingManager) -> tuple:
         {key: (b.row, b.generation, b.refs) for key, b in manager._blocks.items()},
         list(manager._free_rows),
         manager._num_evictable,
-        dict(manager._dropped_pins),
+        {key: (b.row, b.refs) for key, b in manager._retired.items()},
         list(manager._events),
         manager._next_generation,
         policy_state,
@@ -395,15 +395,17 @@ def test_reset_cache_empties_everything(policy: str) -> None:
     manager.take_events()
     manager.reset_cache()
     assert manager.take_events() == [OffloadingEvent([k(0), k(1)], "CPU", True)]
-    assert manager.num_free_rows == 4
+    # the rows of the load and the store in flight stay out of use until they end
+    assert manager.num_free_rows == 2
     assert manager.ready_keys() == []
     for i in range(3):
         assert manager.lookup(k(i), CTX) is False
-    # completions of the dropped jobs are ignored
+    # completions of the dropped jobs free their rows and nothing else
     manager.complete_store([k(2)], CTX)
     manager.complete_load([k(0)], CTX)
     assert manager.lookup(k(2), CTX) is False
     assert manager.take_events() == []
+    assert manager.num_free_rows == 4
     with pytest.raises(ValueError, match="not pinned"):
         manager.complete_load([k(0)], CTX)  # its one dropped pin is spent
     # the whole pool is usable again, with generations that never repeat
@@ -418,16 +420,97 @@ def test_reset_cache_of_empty_manager_reports_nothing(policy: str) -> None:
     assert manager.take_events() == []
 
 
-def test_dropped_pin_does_not_hold_a_new_block(policy: str) -> None:
-    manager = make(policy, 1)
-    store(manager, [k(0)])
+# Finding 2 of issue 15: each case drives the completions of jobs a reset interrupted
+# in the order that broke the manager, and checks that they touch nothing newer.
+
+
+def test_a_row_a_load_still_reads_is_not_reused_after_a_reset(policy: str) -> None:
+    manager = make(policy, 2)
+    (row,) = store(manager, [k(0)]).block_ids.tolist()
     manager.prepare_load([k(0)], CTX)
     manager.reset_cache()
+    assert manager.prepare_store([k(1), k(2)], CTX) is None  # one row is free, not two
+    out = manager.prepare_store([k(1)], CTX)
+    assert out.store_spec.block_ids.tolist() != [row]
+    manager.complete_load([k(0)], CTX)  # the load is done: its row is free again
+    assert manager.prepare_store([k(2)], CTX).store_spec.block_ids.tolist() == [row]
+
+
+def test_a_late_complete_load_never_spends_a_newer_loads_pin(policy: str) -> None:
+    manager = make(policy, 2)
+    store(manager, [k(0)])
+    manager.prepare_load([k(0)], CTX)  # load A
+    manager.reset_cache()
+    # k(0) is not stored again while A may still read its old row
+    assert manager.prepare_store([k(0)], CTX).keys_to_store == []
+    assert manager.lookup(k(0), CTX) is False
+    manager.complete_load([k(0)], CTX)  # A's late completion
+    store(manager, [k(0)])
+    manager.prepare_load([k(0)], CTX)  # load C, of the new block
+    # C's block stays pinned: a store needing every row cannot evict it
+    assert manager.prepare_store([k(1), k(2)], CTX) is None
+    with pytest.raises(ValueError, match="not pinned"):
+        manager.complete_load([k(0), k(0)], CTX)  # A's pin was spent once, on A's row
+    manager.complete_load([k(0)], CTX)  # C's
+    assert manager.prepare_store([k(1), k(2)], CTX).evicted_keys == [k(0)]
+
+
+def test_a_late_complete_store_never_marks_a_newer_store_ready(policy: str) -> None:
+    manager = make(policy, 2)
+    manager.prepare_store([k(0)], CTX)  # store S1
+    manager.reset_cache()
+    # no second store of k(0) while S1 may still write its row
+    assert manager.prepare_store([k(0)], CTX).keys_to_store == []
+    manager.complete_store([k(0)], CTX)  # S1's late completion
+    assert manager.lookup(k(0), CTX) is False  # not HIT: nothing of S1 is loadable
+    assert manager.take_events() == []
+    assert manager.num_free_rows == 2
+    out = manager.prepare_store([k(0)], CTX)  # store S2
+    assert out.keys_to_store == [k(0)]
+    assert manager.lookup(k(0), CTX) is None  # in flight until S2's own completion
+    manager.complete_store([k(0)], CTX)
+    assert manager.lookup(k(0), CTX) is True
+
+
+def test_a_failed_late_complete_store_frees_its_row_only(policy: str) -> None:
+    manager = make(policy, 2)
+    manager.prepare_store([k(0)], CTX)
+    manager.reset_cache()
+    store(manager, [k(1)])
+    manager.complete_store([k(0)], CTX, success=False)
+    assert manager.num_free_rows == 1
+    assert manager.lookup(k(1), CTX) is True
+
+
+def test_on_reset_flushed_frees_the_rows_of_jobs_never_completed(policy: str) -> None:
+    # vLLM never completes the jobs in flight at a reset; it calls on_reset_flushed once
+    # its workers have finished them
+    manager = make(policy, 4)
     store(manager, [k(0)])
     manager.prepare_load([k(0)], CTX)
-    manager.complete_load([k(0)], CTX)  # releases the live pin first
-    assert manager.prepare_store([k(1)], CTX).evicted_keys == [k(0)]
-    manager.complete_load([k(0)], CTX)  # then the dropped one
+    manager.prepare_store([k(1), k(2)], CTX)
+    manager.reset_cache()
+    assert manager.num_free_rows == 1
+    manager.on_reset_flushed(still_running={k(2)})  # k(2): a promotion, still writing
+    assert manager.num_free_rows == 3
+    assert manager.prepare_store([k(0), k(1), k(2)], CTX).keys_to_store == [k(0), k(1)]
+    manager.complete_store([k(2)], CTX)  # the promotion's report
+    assert manager.num_free_rows == 2
+    assert manager.lookup(k(2), CTX) is False
+
+
+def test_retire_drops_an_in_flight_store_and_keeps_its_row(policy: str) -> None:
+    manager = make(policy, 2)
+    store(manager, [k(0)])
+    manager.prepare_load([k(0)], CTX)  # not evictable either
+    manager.prepare_store([k(1)], CTX)
+    manager.retire([k(0), k(1)])  # k(0) is ready: left alone
+    assert manager.lookup(k(1), CTX) is False and manager.lookup(k(0), CTX) is True
+    assert manager.prepare_store([k(1)], CTX).keys_to_store == []
+    assert manager.prepare_store([k(2)], CTX) is None  # k(1)'s row is not reused
+    manager.complete_store([k(1)], CTX)
+    assert manager.lookup(k(1), CTX) is False
+    assert manager.prepare_store([k(2)], CTX).keys_to_store == [k(2)]
 
 
 # ---- ARC through the manager -------------------------------------------------------
@@ -462,15 +545,16 @@ class ManagerModel(RuleBasedStateMachine):
         self.ready: dict[bytes, int] = {}  # key -> pins
         self.in_flight: set[bytes] = set()
         self.rows: dict[bytes, int] = {}
-        self.dropped_pins: dict[bytes, int] = {}
+        # what reset_cache retired: key -> (row, pins, or -1 for a store in flight)
+        self.retired: dict[bytes, tuple[int, int]] = {}
         self.replayed: set[bytes] = set()
         self.last_generation = 0
 
     @rule(keys=key_lists)
     def prepare_store(self, keys: list[bytes]) -> None:
         offered = list(dict.fromkeys(keys))
-        new = [key for key in offered if key not in self.ready and key not in self.in_flight]
-        need = len(new) - (self.num_rows - len(self.rows))
+        new = [key for key in offered if key not in self.ready and key not in self.in_flight and key not in self.retired]
+        need = len(new) - (self.num_rows - len(self.rows) - len(self.retired))
         evictable = {key for key, pins in self.ready.items() if pins == 0 and key not in offered}
         out = self.manager.prepare_store(keys, CTX)
         if new and need > len(evictable):
@@ -487,6 +571,7 @@ class ManagerModel(RuleBasedStateMachine):
         assert spec.keys == new
         rows = spec.block_ids.tolist()
         assert not set(rows) & set(self.rows.values())
+        assert not set(rows) & {row for row, _ in self.retired.values()}
         gens = spec.generations.tolist()
         assert all(gen > self.last_generation for gen in gens)
         assert gens == sorted(set(gens))
@@ -498,6 +583,9 @@ class ManagerModel(RuleBasedStateMachine):
     @rule(keys=key_lists, success=st.booleans())
     def complete_store(self, keys: list[bytes], success: bool) -> None:
         self.manager.complete_store(keys, CTX, success)
+        for key in set(keys):
+            if self.retired.get(key, (0, 0))[1] < 0:
+                del self.retired[key]
         for key in set(keys) & self.in_flight:
             self.in_flight.discard(key)
             if success:
@@ -530,19 +618,23 @@ class ManagerModel(RuleBasedStateMachine):
     @rule(keys=key_lists)
     def complete_load(self, keys: list[bytes]) -> None:
         ready = dict(self.ready)
-        dropped = dict(self.dropped_pins)
+        retired = dict(self.retired)
         ok = True
         for key in keys:
             if ready.get(key, 0) > 0:
                 ready[key] -= 1
-            elif dropped.get(key, 0) > 0:
-                dropped[key] -= 1
+            elif retired.get(key, (0, 0))[1] > 0:
+                row, pins = retired[key]
+                if pins == 1:
+                    del retired[key]
+                else:
+                    retired[key] = (row, pins - 1)
             else:
                 ok = False
         if ok:
             self.manager.complete_load(keys, CTX)
             self.ready = ready
-            self.dropped_pins = dropped
+            self.retired = retired
         else:
             with pytest.raises(ValueError):
                 self.manager.complete_load(keys, CTX)
@@ -575,16 +667,38 @@ class ManagerModel(RuleBasedStateMachine):
         self.manager.reset_cache()
         for key, pins in self.ready.items():
             if pins:
-                self.dropped_pins[key] = self.dropped_pins.get(key, 0) + pins
+                self.retired[key] = (self.rows[key], pins)
+        for key in self.in_flight:
+            self.retired[key] = (self.rows[key], -1)
         self.ready.clear()
         self.in_flight.clear()
         self.rows.clear()
 
+    @precondition(lambda self: self.retired)
+    @rule(data=st.data())
+    def on_reset_flushed(self, data: st.DataObject) -> None:
+        still_running = set(data.draw(st.lists(st.sampled_from(sorted(self.retired)))))
+        self.manager.on_reset_flushed(still_running)
+        self.retired = {key: v for key, v in self.retired.items() if key in still_running}
+
+    @precondition(lambda self: any(pins > 0 for _, pins in self.retired.values()))
+    @rule(data=st.data())
+    def complete_retired_load(self, data: st.DataObject) -> None:
+        pinned = sorted(key for key, (_, pins) in self.retired.items() if pins > 0)
+        self.complete_load(data.draw(st.lists(st.sampled_from(pinned), min_size=1, max_size=2)))
+
+    @precondition(lambda self: any(pins < 0 for _, pins in self.retired.values()))
+    @rule(data=st.data())
+    def complete_retired_store(self, data: st.DataObject) -> None:
+        writing = sorted(key for key, (_, pins) in self.retired.items() if pins < 0)
+        self.complete_store(data.draw(st.lists(st.sampled_from(writing), min_size=1)), data.draw(st.booleans()))
+
     @invariant()
     def agrees_with_model(self) -> None:
         manager = self.manager
-        assert len(self.rows) <= self.num_rows
-        assert manager.num_free_rows == self.num_rows - len(self.rows)
+        assert len(self.rows) + len(self.retired) <= self.num_rows
+        assert not set(self.rows) & set(self.retired)
+        assert manager.num_free_rows == self.num_rows - len(self.rows) - len(self.retired)
         for key in KEYS:
             expected = True if key in self.ready else None if key in self.in_flight else False
             assert manager.lookup(key, CTX) is expected
@@ -594,6 +708,8 @@ class ManagerModel(RuleBasedStateMachine):
         rows = live_rows(manager)
         assert len(set(rows)) == len(rows) == len(self.rows)
         assert sorted(rows) == sorted(self.rows.values())
+        assert {key: (b.row, b.refs) for key, b in manager._retired.items()} == self.retired
+        assert not set(rows) & {row for row, _ in self.retired.values()}
 
 
 class LRUManagerModel(ManagerModel):
