@@ -52,6 +52,10 @@ HEADER_BYTES = 128
 # cudaHostRegister fails on very large ranges; pin in pieces of at most this size.
 MAX_PIN_BYTES = 64 << 30
 
+# In the superblock after the layout: a byte per rank, set by that rank's worker once it
+# uses the segment (HostPool.mark_attached).
+_ATTACHED_OFFSET = 64
+MAX_RANKS = PAGE_BYTES - _ATTACHED_OFFSET
 # header layout, as uint64 words: generation, checksum, nbytes, key_len, filled; key bytes follow
 _GEN, _SUM, _NBYTES, _KEYLEN, _FILLED = range(5)
 _HEADER_WORDS = struct.Struct("<5Q")
@@ -163,8 +167,8 @@ class PoolLayout:
     def __post_init__(self) -> None:
         if self.num_rows < 1:
             raise ValueError(f"PoolLayout: num_rows={self.num_rows}, the pool holds no block")
-        if self.num_ranks < 1:
-            raise ValueError(f"PoolLayout: num_ranks={self.num_ranks} must be at least 1")
+        if not 1 <= self.num_ranks <= MAX_RANKS:
+            raise ValueError(f"PoolLayout: num_ranks={self.num_ranks} must be in 1..{MAX_RANKS}")
         if self.slot_bytes < 1 or self.slot_bytes % PAGE_BYTES:
             raise ValueError(
                 f"PoolLayout: slot_bytes={self.slot_bytes} must be a positive multiple of the "
@@ -491,6 +495,18 @@ class HostPool:
         if self.generation(rank, row) != generation or copied != meta.checksum:
             return None
         return meta
+
+    def mark_attached(self, rank: int) -> None:
+        """Record that worker `rank` of the replica uses this segment: a worker on another
+        node marks the segment of that node, which `attached_ranks` here never shows."""
+        if not 0 <= rank < self.layout.num_ranks:
+            raise ValueError(f"rank {rank} out of range: the pool has {self.layout.num_ranks} ranks")
+        os.pwrite(self._fd, b"\x01", _ATTACHED_OFFSET + rank)
+
+    def attached_ranks(self) -> set[int]:
+        """The ranks whose workers marked this segment since it was created."""
+        marks = os.pread(self._fd, self.layout.num_ranks, _ATTACHED_OFFSET)
+        return {rank for rank, mark in enumerate(marks) if mark}
 
     def replaced(self) -> bool:
         """Whether the segment's path no longer names this mapping's segment: removed, or

@@ -364,6 +364,7 @@ class RayOffloadingSpec(OffloadingSpec):
             plan = self.plan
             pool = HostPool(plan.pool_name, plan.layout)
             try:
+                self._check_workers_attached(pool)
                 local = LocalOffloadingManager(plan.layout.num_rows, policy=plan.config.eviction_policy)
                 cluster = join_cluster(plan, pool, local)
             except BaseException:
@@ -381,10 +382,29 @@ class RayOffloadingSpec(OffloadingSpec):
             pool = HostPool(self.plan.pool_name, self.plan.layout)
             try:
                 self._worker = DistkvOffloadingWorker(kv_caches, pool, self.rank, self.blocks_per_chunk)
+                pool.mark_attached(self.rank)
             except BaseException:
                 pool.close()
                 raise
         return self._worker
+
+    def _check_workers_attached(self, pool: HostPool) -> None:
+        """Refuse a replica whose workers are not all on this node.
+
+        vLLM 0.33's engine core builds every worker's connector (allocating the KV caches)
+        before its scheduler, so by now each worker has marked the pool segment of its
+        node. One on another node marked another segment: its slots there would never be
+        promoted into, and the first promoted hit would fail its load.
+        """
+        missing = sorted(set(range(pool.layout.num_ranks)) - pool.attached_ranks())
+        if missing:
+            parallel = self.config.parallel
+            raise ValueError(
+                f"distkv: worker rank(s) {missing[:8]} of this replica did not attach to its pool "
+                f"on this node (world_size={parallel.world_size}, tp_size={parallel.tp_size}, "
+                f"pp_size={parallel.pp_size}): every worker of a replica must run on the node of its "
+                "scheduler; tensor or pipeline parallelism across nodes is not supported"
+            )
 
 
 __all__ = [

@@ -94,6 +94,10 @@ class EngineReplica:
     def __init__(self, model_dir: str, extra_config: dict[str, Any], kv_events: bool = False):
         config = vllm_config(model_dir, extra_config, kv_events)
         kv_config = kv_cache_config()
+        # in vLLM's engine core's order: the workers' KV caches, then the scheduler
+        self.worker = OffloadingConnector(config, KVConnectorRole.WORKER, kv_config)
+        self.kv = torch.zeros(NUM_GPU_BLOCKS, KV_SPEC.page_size_bytes, dtype=torch.int8)
+        self.worker.register_kv_caches({"layer": self.kv})
         self.scheduler = Scheduler(
             vllm_config=config,
             kv_cache_config=kv_config,
@@ -102,9 +106,6 @@ class EngineReplica:
             log_stats=True,
         )
         self.connector = self.scheduler.connector
-        self.worker = OffloadingConnector(config, KVConnectorRole.WORKER, kv_config)
-        self.kv = torch.zeros(NUM_GPU_BLOCKS, KV_SPEC.page_size_bytes, dtype=torch.int8)
-        self.worker.register_kv_caches({"layer": self.kv})
         self._forward_context = ForwardContext(no_compile_layers={}, attn_metadata={}, slot_mapping={})
         self._hasher = get_request_block_hasher(GPU_BLOCK_TOKENS, sha256)
         self._expected: dict[str, np.ndarray] = {}

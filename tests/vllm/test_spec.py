@@ -223,3 +223,20 @@ def test_vllm_connector_keys_pass(model_dir):
     assert isinstance(spec, RayOffloadingSpec)
     assert spec.blocks_per_chunk == 4
     connector.shutdown()
+
+
+def test_a_replica_with_a_worker_on_another_node_fails_at_start():
+    """Tensor or pipeline parallel across nodes: rank 1's worker marks the pool segment of
+    its own node, so the scheduler's node shows rank 0 only. The engine stops at start
+    instead of failing its first promoted load."""
+    engine_id = uuid.uuid4().hex
+    extra = {"cpu_bytes_to_use": 1 << 20}
+    worker_spec = RayOffloadingSpec(offloading_config(extra, engine_id, rank=0, world_size=2))
+    worker_spec.get_worker(canonical([torch.zeros(NUM_GPU_BLOCKS, PAGE_BYTES, dtype=torch.int8) for _ in range(LAYERS)]))
+    scheduler_spec = RayOffloadingSpec(offloading_config(extra, engine_id, rank=0, world_size=2))
+    try:
+        with pytest.raises(ValueError, match=r"worker rank\(s\) \[1\].*world_size=2, tp_size=2, pp_size=1.*across nodes"):
+            scheduler_spec.get_manager()
+    finally:
+        worker_spec._worker.shutdown()
+    assert not [n for n in os.listdir(SHM_DIR) if worker_spec.plan.pool_name in n]
