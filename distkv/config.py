@@ -15,6 +15,7 @@ from typing import Any
 
 POLICIES = ("lru", "arc")
 STORE_POLICIES = ("always", "dedupe")
+TRANSPORTS = ("auto", "nixl", "object_store")
 
 # Keys that vLLM's OffloadingConnector itself reads from the same dict.
 _CONNECTOR_KEYS = frozenset({"spec_name", "spec_module_path", "block_size"})
@@ -38,6 +39,9 @@ class DistkvConfig:
     promotion_timeout_s: float = 5.0
     # Directory actors the keys are spread over
     directory_shards: int = 1
+    # how blocks come from other nodes: "object_store", "nixl" (one-sided reads), or "auto"
+    # (NIXL toward a node where it measured faster than the object store)
+    transport: str = "auto"
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any]) -> "DistkvConfig":
@@ -82,6 +86,10 @@ class DistkvConfig:
                 raise ValueError(
                     f"kv_connector_extra_config 'directory_shards'={v!r} must be a whole number in 1..1024"
                 )
+        if "transport" in values and values["transport"] not in TRANSPORTS:
+            raise ValueError(
+                f"kv_connector_extra_config 'transport'={values['transport']!r} must be one of {list(TRANSPORTS)}"
+            )
         return cls(**values)
 
 

@@ -26,6 +26,7 @@ from distkv.abstract import OffloadKey
 from distkv.manager import MIN_KEY_BYTES, check_keys, key_problem
 from distkv.metrics import MAX_OBSERVATIONS, ErrorLog
 from distkv.pool import MAX_KEY_BYTES, SEGMENT_PREFIX, segment_name
+from distkv.rdma import PoolEndpoint
 
 logger = logging.getLogger(__name__)
 
@@ -63,6 +64,8 @@ class ReplicaInfo:
     `cache_epoch` counts the replica's cache resets: replicas share blocks only within one
     epoch. It is part of the replica's id too (see ClusterOffloadingManager), so an id's
     info never changes and no view can pair a holder with another epoch's info.
+    `endpoint`: where its pool can be read one-sidedly (NIXL), if it registered it; the
+    Directory hands it only to replicas of the same cache namespace.
     """
 
     replica_id: str
@@ -72,6 +75,7 @@ class ReplicaInfo:
     num_ranks: int
     slot_bytes: int
     cache_epoch: int = 0
+    endpoint: PoolEndpoint | None = None
 
     def __post_init__(self) -> None:
         for name in ("replica_id", "node_id", "pool_name"):
@@ -84,6 +88,8 @@ class ReplicaInfo:
                 raise ValueError(f"ReplicaInfo.{name}={value!r}: must be a positive int")
         if type(self.cache_epoch) is not int or self.cache_epoch < 0:
             raise ValueError(f"ReplicaInfo.cache_epoch={self.cache_epoch!r}: must be an int >= 0")
+        if self.endpoint is not None and not isinstance(self.endpoint, PoolEndpoint):
+            raise ValueError(f"ReplicaInfo.endpoint={self.endpoint!r}: must be a PoolEndpoint or None")
 
 
 class Cursor(NamedTuple):
@@ -320,11 +326,19 @@ class DirectoryState:
         return True
 
     def replicas(self) -> list[dict[str, Any]]:
-        """Every registered replica: its ReplicaInfo's fields, the keys it holds in this
-        shard, seconds since it was last heard from, and its latest report (None before one)."""
+        """Every registered replica: its ReplicaInfo's fields (the endpoint only as whether
+        it has one: this answers any caller, and the endpoint lets one read the pool), the
+        keys it holds in this shard, seconds since it was last heard from, and its latest
+        report (None before one)."""
         now = self._clock()
         return [
-            {**asdict(r.info), "keys": len(r.keys), "seen_s_ago": now - r.last_seen, "report": r.report}
+            {
+                **asdict(r.info),
+                "endpoint": r.info.endpoint is not None,
+                "keys": len(r.keys),
+                "seen_s_ago": now - r.last_seen,
+                "report": r.report,
+            }
             for r in self._replicas.values()
         ]
 

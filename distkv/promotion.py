@@ -104,6 +104,10 @@ class Promoter:
         # time spent promoting, summed over batches (concurrent fetches each count)
         self.seconds_same_node = 0.0
         self.seconds_cross_node = 0.0
+        # cross-node promotions by the transport that moved them ("object_store", "nixl"):
+        # blocks and bytes that landed and checked out, and the seconds their transfers
+        # took from start to landing (concurrent transfers each count)
+        self.transported: dict[str, list[float]] = {}
         # promotions by path ("same_node", "cross_node"): started = succeeded + failed + in flight;
         # one with no readable holder is never started and only counts as an error
         self.started = {"same_node": 0, "cross_node": 0}
@@ -280,13 +284,19 @@ class Promoter:
             logger.warning("promotion %s failed: %r", where, e)
             self._finish(flight.promotions, False, "cross_node", "promotion_fetch", f"{where}: {e!r}")
             return True
-        self.seconds_cross_node += time.perf_counter() - flight.started
+        seconds = time.perf_counter() - flight.started
+        self.seconds_cross_node += seconds
+        moved = self.transported.setdefault(flight.transfer.transport, [0, 0, 0.0])
+        moved[2] += seconds
         for p, metas in zip(flight.promotions, landed, strict=True):
             with self._failing([p], "cross_node", where):
                 ok = metas is not None
                 if ok:
                     self._seal(p, metas)
-                    self.bytes_cross_node += sum(meta.nbytes for meta in metas)
+                    nbytes = sum(meta.nbytes for meta in metas)
+                    self.bytes_cross_node += nbytes
+                    moved[0] += 1
+                    moved[1] += nbytes
                 self._finish([p], ok, "cross_node", None if ok else "promotion_stale", where)
         return True
 

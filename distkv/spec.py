@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -14,6 +15,9 @@ from distkv.pool import HostPool, PoolLayout, segment_name
 
 if TYPE_CHECKING:
     from distkv.cluster import ClusterOffloadingManager
+    from distkv.transport import NodeTransports, Transport
+
+logger = logging.getLogger(__name__)
 
 
 def _attr(obj: Any, path: str, default: Any = None) -> Any:
@@ -66,6 +70,26 @@ class ReplicaPlan:
         return cls(config, layout, namespace, replica_id, segment_name(namespace, replica_id))
 
 
+def node_transports(mode: str, pool: HostPool, object_store: "Transport") -> "NodeTransports":
+    """The replica's transports for `transport` = mode: NIXL's too unless "object_store".
+
+    "nixl" stops the replica at start when NIXL cannot be used, with the cause and the fix;
+    "auto" then reads through the object store and logs why, once.
+    """
+    from distkv.rdma import NixlAgent, RdmaUnavailable
+    from distkv.transport import NixlTransport, NodeTransports
+
+    nixl = None
+    if mode != "object_store":
+        try:
+            nixl = NixlTransport(pool, NixlAgent())
+        except RdmaUnavailable as e:
+            if mode == "nixl":
+                raise ValueError(f"kv_connector_extra_config 'transport'='nixl': {e}") from e
+            logger.warning("distkv: transport 'auto' reads other nodes through the object store only: %s", e)
+    return NodeTransports(object_store, nixl, mode)
+
+
 def join_cluster(plan: ReplicaPlan, pool: HostPool, local: LocalOffloadingManager) -> "ClusterOffloadingManager":
     """The replica's manager in its Ray cluster.
 
@@ -89,17 +113,28 @@ def join_cluster(plan: ReplicaPlan, pool: HostPool, local: LocalOffloadingManage
     from ray_actors.node_agent import RAY_NAMESPACE, AgentFetch, start_node_agent
 
     config = plan.config
-    if not ray.is_initialized():
-        ray.init(address=config.ray_address, namespace=RAY_NAMESPACE)
-    node_id = ray.get_runtime_context().get_node_id()
-    ray.get(start_node_agent(node_id).node_id.remote())
+    transport = node_transports(config.transport, pool, ObjectStoreTransport(pool, AgentFetch(plan.namespace)))
+    try:
+        if not ray.is_initialized():
+            ray.init(address=config.ray_address, namespace=RAY_NAMESPACE)
+        node_id = ray.get_runtime_context().get_node_id()
+        ray.get(start_node_agent(node_id).node_id.remote())
+    except BaseException:
+        transport.close()
+        raise
     layout = plan.layout
-    info = ReplicaInfo(plan.replica_id, node_id, plan.pool_name, layout.num_rows, layout.num_ranks, layout.slot_bytes)
+    info = ReplicaInfo(
+        plan.replica_id,
+        node_id,
+        plan.pool_name,
+        layout.num_rows,
+        layout.num_ranks,
+        layout.slot_bytes,
+        endpoint=transport.endpoint,
+    )
     link = DirectoryLink(plan.namespace, info, config.directory_shards)
     link.start()
-    promoter = Promoter(
-        pool, node_id, link.replica, ObjectStoreTransport(pool, AgentFetch(plan.namespace)), namespace=plan.namespace
-    )
+    promoter = Promoter(pool, node_id, link.replica, transport, namespace=plan.namespace)
     manager = ClusterOffloadingManager(
         local,
         link,

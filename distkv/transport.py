@@ -8,10 +8,16 @@ Promoter seals what checked out.
 
 - `ObjectStoreTransport`: the holder node's NodeAgent copies the rows into the object
   store as a call's result; they are copied here, checked as they are copied.
+- `NixlTransport`: one-sided NIXL READs from the holder's registered segment straight
+  into this replica's registered pool, headers into a scratch, then a second READ of the
+  generations; nothing runs in the holder's processes.
+- `NodeTransports` picks one of them per holder node (the `transport` setting).
 """
 
 from __future__ import annotations
 
+import threading
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
@@ -21,7 +27,8 @@ import numpy as np
 
 from distkv.abstract import OffloadKey
 from distkv.directory import ReplicaInfo
-from distkv.pool import HostPool, Sealed, copy_checksum
+from distkv.pool import HEADER_BYTES, HostPool, PoolLayout, Sealed, check_landed, copy_checksum
+from distkv.rdma import NixlAgent, NixlRead
 
 # Per read, each rank's header as the holder sealed it; None: not to be used.
 Landed = list[list[Sealed] | None]
@@ -42,6 +49,8 @@ class Transfer(ABC):
 
     # True: `done` must be polled, nothing calls `wake` (NIXL has no completion callback)
     polled = False
+    # the name of the Transport that started it
+    transport = ""
 
     @abstractmethod
     def done(self) -> bool:
@@ -124,6 +133,8 @@ def shipped_index(metas: Sequence[list[Sealed] | None]) -> list[int | None]:
 
 
 class _FetchedRows(Transfer):
+    transport = "object_store"
+
     def __init__(self, future: Future, pool: HostPool, reads: Sequence[RowRead]) -> None:
         self._future = future
         self._pool = pool
@@ -172,3 +183,257 @@ class ObjectStoreTransport(Transport):
         )
         future.add_done_callback(lambda _: wake())
         return _FetchedRows(future, self._pool, reads)
+
+
+# ---- one-sided NIXL reads -------------------------------------------------------------
+
+
+class _Scratch:
+    """Registered memory for the headers and generations of in-flight reads, in slots of
+    (HEADER_BYTES + 8) bytes handed out and back."""
+
+    SLOT_BYTES = HEADER_BYTES + 8
+
+    def __init__(self, agent: NixlAgent, num_slots: int) -> None:
+        self.buffer = np.zeros((num_slots, self.SLOT_BYTES), dtype=np.uint8)
+        agent.register(self.buffer.ctypes.data, self.buffer.nbytes)
+        self._free = list(range(num_slots - 1, -1, -1))
+        self._lock = threading.Lock()
+
+    def take(self, n: int) -> list[int] | None:
+        with self._lock:
+            if n > len(self._free):
+                return None
+            taken = self._free[-n:]
+            del self._free[-n:]
+            return taken
+
+    def give_back(self, slots: list[int]) -> None:
+        with self._lock:
+            self._free.extend(slots)
+
+
+class _NixlReads(Transfer):
+    """A READ of the slots (straight into the local rows) and their headers (into the
+    scratch), then, once it is done, a READ of the generations: `pool.check_landed`."""
+
+    polled = True
+    transport = "nixl"
+
+    def __init__(self, transport: NixlTransport, holder: ReplicaInfo, reads: Sequence[RowRead], scratch: list[int]) -> None:
+        self._transport = transport
+        self._reads = reads
+        self._scratch = scratch
+        layout = PoolLayout(holder.num_rows, holder.num_ranks, holder.slot_bytes)
+        local = transport.pool
+        base = transport.scratch.buffer.ctypes.data
+        slots, generations = [], []
+        for i, read in enumerate(reads):
+            for rank in range(layout.num_ranks):
+                header = base + scratch[i * layout.num_ranks + rank] * _Scratch.SLOT_BYTES
+                remote_header = layout.header_offset(rank, read.holder_row)
+                slots.append((layout.slot_offset(rank, read.holder_row), local.address + local.layout.slot_offset(rank, read.local_row), layout.slot_bytes))
+                slots.append((remote_header, header, HEADER_BYTES))
+                generations.append((remote_header, header + HEADER_BYTES, 8))
+        self._num_ranks = layout.num_ranks
+        self._generations = np.array(generations, dtype=np.int64)
+        self._endpoint = holder.endpoint
+        self._read: NixlRead | None = transport.agent.read(holder.endpoint, np.array(slots, dtype=np.int64))
+        self._second = False
+        self._failed = False
+
+    def done(self) -> bool:
+        if self._read is None:
+            return True
+        state = self._read.state()
+        if state == "pending":
+            return False
+        self._read.release()
+        self._read = None
+        if state == "failed":
+            self._failed = True
+            return True
+        if self._second:
+            return True
+        self._second = True
+        try:
+            self._read = self._transport.agent.read(self._endpoint, self._generations)
+        except Exception:
+            self._failed = True
+            return True
+        return False
+
+    def finish(self) -> Landed:
+        try:
+            if self._failed:
+                raise ConnectionError(f"a NIXL read from agent {self._endpoint.agent_name} failed")
+            buffer = self._transport.scratch.buffer
+            payload = self._transport.pool.payload
+            landed: Landed = []
+            for i, read in enumerate(self._reads):
+                metas = []
+                for rank in range(self._num_ranks):
+                    slot = buffer[self._scratch[i * self._num_ranks + rank]]
+                    metas.append(
+                        check_landed(
+                            slot[:HEADER_BYTES].tobytes(),
+                            int(slot[HEADER_BYTES:].view("<u8")[0]),
+                            read.key,
+                            read.holder_generation,
+                            payload[rank, read.local_row],
+                        )
+                    )
+                landed.append(None if None in metas else metas)
+            return landed
+        finally:
+            self._transport.scratch.give_back(self._scratch)
+
+    def cancel(self) -> None:
+        if self._read is not None:
+            self._read.release()
+            self._read = None
+        self._transport.scratch.give_back(self._scratch)
+
+
+class NixlTransport(Transport):
+    """One-sided READs from holders whose ReplicaInfo carries a NIXL endpoint.
+
+    Registers this replica's pool with its agent once (its endpoint goes into the
+    replica's own ReplicaInfo, for others to read it) and a scratch for the headers of up
+    to `scratch_slots` slots in flight.
+    """
+
+    name = "nixl"
+
+    def __init__(self, pool: HostPool, agent: NixlAgent, scratch_slots: int = 4096) -> None:
+        self.pool = pool
+        self.agent = agent
+        self.endpoint = agent.endpoint(pool)
+        self.scratch = _Scratch(agent, scratch_slots)
+
+    def start(self, holder: ReplicaInfo, reads: Sequence[RowRead], wake: Callable[[], None]) -> Transfer:
+        if holder.endpoint is None:
+            raise ValueError(f"replica {holder.replica_id} registered no NIXL endpoint")
+        scratch = self.scratch.take(len(reads) * holder.num_ranks)
+        if scratch is None:
+            raise RuntimeError("NIXL scratch exhausted: too many slots in flight")
+        try:
+            return _NixlReads(self, holder, reads, scratch)
+        except BaseException:
+            self.scratch.give_back(scratch)
+            raise
+
+    def close(self) -> None:
+        self.agent.close()
+
+
+# ---- which transport, per holder node --------------------------------------------------
+
+
+class _Timed(Transfer):
+    """A transfer whose rate `NodeTransports` takes as a measurement of its transport."""
+
+    def __init__(self, inner: Transfer, owner: NodeTransports, node_id: str, nbytes: int) -> None:
+        self._inner = inner
+        self._owner = owner
+        self._node_id = node_id
+        self._nbytes = nbytes
+        self._started = time.perf_counter()
+        self._ended: float | None = None
+        self.polled = inner.polled
+        self.transport = inner.transport
+
+    def done(self) -> bool:
+        done = self._inner.done()
+        if done and self._ended is None:
+            self._ended = time.perf_counter()
+        return done
+
+    def finish(self) -> Landed:
+        try:
+            landed = self._inner.finish()
+        except BaseException:
+            self._owner._measured(self._node_id, self.transport, 0.0)
+            raise
+        seconds = (self._ended or time.perf_counter()) - self._started
+        self._owner._measured(self._node_id, self.transport, self._nbytes / max(seconds, 1e-9))
+        return landed
+
+    def cancel(self) -> None:
+        self._inner.cancel()
+        self._owner._measured(self._node_id, self.transport, 0.0)
+
+
+class NodeTransports(Transport):
+    """The transport each holder node is read through (the `transport` setting).
+
+    "object_store": always the object store. "nixl": NIXL from every holder that
+    registered an endpoint, the object store from the others. "auto": from a node whose
+    holder registered an endpoint, each transport is measured on real transfers (the
+    first two transfers go one by each) and the one that moved bytes faster carries the
+    node's transfers; the other is measured again with one transfer every RECHECK_S. So
+    a fabric where NIXL's reads are slower than the object store (UCX with TCP only
+    emulates them) keeps the object store. A transfer that fails or times out measures 0.
+    """
+
+    RECHECK_S = 60.0
+
+    def __init__(self, object_store: Transport, nixl: NixlTransport | None, mode: str) -> None:
+        self.name = mode
+        self._object_store = object_store
+        self._nixl = nixl
+        self._mode = mode
+        # node -> transport name -> (bytes/s of its last measured transfer, when measured)
+        self._rates: dict[str, dict[str, tuple[float, float]]] = {}
+        self._measuring: set[tuple[str, str]] = set()  # (node, transport) with a measurement in flight
+
+    @property
+    def endpoint(self):
+        """This replica's own NIXL endpoint, or None when it reads through the object store only."""
+        return None if self._nixl is None else self._nixl.endpoint
+
+    def rates(self) -> dict[str, dict[str, float]]:
+        """Per holder node measured so far, each transport's last rate in bytes/s."""
+        return {node: {name: rate for name, (rate, _) in by.items()} for node, by in self._rates.items()}
+
+    def chosen(self, holder: ReplicaInfo) -> Transport:
+        """The transport the next transfer from `holder` takes (not counting re-measures)."""
+        if self._nixl is None or holder.endpoint is None or self._mode == "object_store":
+            return self._object_store
+        if self._mode == "nixl":
+            return self._nixl
+        rates = self._rates.get(holder.node_id, {})
+        measured = [t for t in (self._nixl, self._object_store) if t.name in rates]
+        if not measured:
+            return self._object_store
+        return max(measured, key=lambda t: rates[t.name][0])
+
+    def start(self, holder: ReplicaInfo, reads: Sequence[RowRead], wake: Callable[[], None]) -> Transfer:
+        measure = self._due(holder)
+        transfer = (measure or self.chosen(holder)).start(holder, reads, wake)
+        if measure is None:
+            return transfer
+        self._measuring.add((holder.node_id, measure.name))
+        return _Timed(transfer, self, holder.node_id, len(reads) * holder.num_ranks * holder.slot_bytes)
+
+    def close(self) -> None:
+        self._object_store.close()
+        if self._nixl is not None:
+            self._nixl.close()
+
+    def _due(self, holder: ReplicaInfo) -> Transport | None:
+        """A transport due for a measurement from holder's node, if any ("auto" only)."""
+        if self._mode != "auto" or self._nixl is None or holder.endpoint is None:
+            return None
+        now = time.monotonic()
+        rates = self._rates.get(holder.node_id, {})
+        for transport in (self._nixl, self._object_store):
+            measured = rates.get(transport.name)
+            due = measured is None or now - measured[1] > self.RECHECK_S
+            if due and (holder.node_id, transport.name) not in self._measuring:
+                return transport
+        return None
+
+    def _measured(self, node_id: str, transport: str, rate: float) -> None:
+        self._measuring.discard((node_id, transport))
+        self._rates.setdefault(node_id, {})[transport] = (rate, time.monotonic())

@@ -67,6 +67,10 @@ class ReplicaActor:
         promoter = self.replica.manager.promoter
         return {"same_node": promoter.bytes_same_node, "cross_node": promoter.bytes_cross_node}
 
+    def transported(self) -> dict[str, list[float]]:
+        """Cross-node promotions by transport: [blocks, bytes, seconds] (see Promoter.transported)."""
+        return dict(self.replica.manager.promoter.transported)
+
     def stats(self) -> dict[str, Any]:
         """The manager's counts (see ClusterOffloadingManager.stats)."""
         return self.replica.manager.stats()

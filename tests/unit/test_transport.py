@@ -1,0 +1,179 @@
+"""NodeTransports: which transport reads each holder node, by the `transport` setting."""
+
+from __future__ import annotations
+
+import logging
+import sys
+import uuid
+
+import pytest
+
+from distkv.directory import ReplicaInfo
+from distkv.pool import PAGE_BYTES, HostPool, PoolLayout, segment_name
+from distkv.spec import node_transports
+from distkv.rdma import PoolEndpoint
+from distkv.transport import NodeTransports, RowRead, Transfer, Transport
+
+ENDPOINT = PoolEndpoint("agent-b", b"metadata", 1 << 40, 1 << 20)
+
+
+def holder(node: str, endpoint: PoolEndpoint | None = ENDPOINT) -> ReplicaInfo:
+    return ReplicaInfo(f"r-{node}", node, "distkv-ns-r", 16, 1, 4096, endpoint=endpoint)
+
+
+class FakeTransfer(Transfer):
+    def __init__(self, transport: str) -> None:
+        self.transport = transport
+        self.finished = False
+        self.fail = False
+
+    def done(self) -> bool:
+        return self.finished
+
+    def finish(self):
+        if self.fail:
+            raise ConnectionError("the peer went away")
+        return [None]
+
+    def cancel(self) -> None:
+        pass
+
+
+class FakeTransport(Transport):
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.started: list[FakeTransfer] = []
+
+    def start(self, holder, reads, wake):
+        self.started.append(FakeTransfer(self.name))
+        return self.started[-1]
+
+
+@pytest.fixture
+def transports():
+    return FakeTransport("object_store"), FakeTransport("nixl")
+
+
+READS = [RowRead(b"k" * 36, 0, 1, 0)]
+
+
+def complete(transfer: Transfer, clock: list[float], seconds: float) -> None:
+    """Make `transfer` done `seconds` after its start, then land it."""
+    clock[0] = transfer._started + seconds
+    transfer._inner.finished = True
+    assert transfer.done()
+    transfer.finish()
+
+
+@pytest.fixture
+def clock(monkeypatch):
+    now = [1000.0]
+    monkeypatch.setattr("distkv.transport.time.perf_counter", lambda: now[0])
+    monkeypatch.setattr("distkv.transport.time.monotonic", lambda: now[0])
+    return now
+
+
+def test_auto_measures_both_on_real_transfers_then_keeps_the_faster(transports, clock):
+    object_store, nixl = transports
+    chooser = NodeTransports(object_store, nixl, "auto")
+    b = holder("b")
+    first, second = chooser.start(b, READS, lambda: None), chooser.start(b, READS, lambda: None)
+    assert (first.transport, second.transport) == ("nixl", "object_store")
+    # both measurements in flight: the portable path
+    assert chooser.start(b, READS, lambda: None).transport == "object_store"
+    complete(first, clock, 0.001)
+    complete(second, clock, 0.004)
+    assert chooser.rates()["b"]["nixl"] > chooser.rates()["b"]["object_store"]
+    assert [chooser.start(b, READS, lambda: None).transport for _ in range(3)] == ["nixl"] * 3
+
+
+def test_auto_keeps_the_object_store_where_nixl_measured_slower(transports, clock):
+    """UCX with TCP only emulates one-sided reads, slower than the object store."""
+    object_store, nixl = transports
+    chooser = NodeTransports(object_store, nixl, "auto")
+    b = holder("b")
+    first, second = chooser.start(b, READS, lambda: None), chooser.start(b, READS, lambda: None)
+    complete(first, clock, 0.010)  # nixl
+    complete(second, clock, 0.002)  # object store
+    assert chooser.start(b, READS, lambda: None).transport == "object_store"
+    # once RECHECK_S has passed, one transfer measures NIXL again
+    clock[0] += NodeTransports.RECHECK_S + 1
+    again = chooser.start(b, READS, lambda: None)
+    assert again.transport == "nixl"
+    complete(again, clock, 0.0001)
+    assert chooser.chosen(b) is nixl
+
+
+def test_a_failed_transfer_measures_nothing_but_zero(transports, clock):
+    object_store, nixl = transports
+    chooser = NodeTransports(object_store, nixl, "auto")
+    b = holder("b")
+    first, second = chooser.start(b, READS, lambda: None), chooser.start(b, READS, lambda: None)
+    first._inner.fail = True
+    with pytest.raises(ConnectionError):
+        complete(first, clock, 0.001)
+    complete(second, clock, 0.004)
+    assert chooser.rates()["b"]["nixl"] == 0.0
+    assert chooser.chosen(b) is object_store
+
+
+def test_nodes_are_measured_apart(transports, clock):
+    object_store, nixl = transports
+    chooser = NodeTransports(object_store, nixl, "auto")
+    first, second = chooser.start(holder("b"), READS, lambda: None), chooser.start(holder("b"), READS, lambda: None)
+    complete(first, clock, 0.001)
+    complete(second, clock, 0.004)
+    assert chooser.start(holder("c"), READS, lambda: None).transport == "nixl"  # c's first measurement
+    assert "c" not in chooser.rates()
+
+
+def test_a_holder_without_an_endpoint_is_read_through_the_object_store(transports):
+    object_store, nixl = transports
+    for mode in ("auto", "nixl"):
+        chooser = NodeTransports(object_store, nixl, mode)
+        assert chooser.start(holder("b", endpoint=None), READS, lambda: None).transport == "object_store"
+
+
+def test_nixl_and_object_store_modes_do_not_measure(transports):
+    object_store, nixl = transports
+    assert NodeTransports(object_store, nixl, "nixl").start(holder("b"), READS, lambda: None).transport == "nixl"
+    only = NodeTransports(object_store, nixl, "object_store")
+    assert only.start(holder("b"), READS, lambda: None).transport == "object_store"
+    assert only.rates() == {}
+
+
+def test_without_nixl_everything_goes_through_the_object_store(transports):
+    object_store, _ = transports
+    chooser = NodeTransports(object_store, None, "auto")
+    assert chooser.endpoint is None
+    assert chooser.start(holder("b"), READS, lambda: None).transport == "object_store"
+
+
+@pytest.fixture
+def pool():
+    pool = HostPool(segment_name("t" + uuid.uuid4().hex[:8], "r"), PoolLayout(4, 1, PAGE_BYTES))
+    yield pool
+    pool.close()
+
+
+def test_nixl_missing_stops_a_replica_that_asked_for_it(pool, monkeypatch):
+    monkeypatch.setitem(sys.modules, "nixl", None)
+    with pytest.raises(ValueError, match=r"'transport'='nixl'.*pip install 'ray-distkv\[rdma\]'"):
+        node_transports("nixl", pool, FakeTransport("object_store"))
+
+
+def test_nixl_missing_leaves_auto_on_the_object_store_and_says_why_once(pool, monkeypatch, caplog):
+    monkeypatch.setitem(sys.modules, "nixl", None)
+    with caplog.at_level(logging.WARNING, logger="distkv.spec"):
+        chooser = node_transports("auto", pool, FakeTransport("object_store"))
+    assert chooser.endpoint is None
+    assert [r.getMessage() for r in caplog.records if "object store only" in r.getMessage()] == [
+        "distkv: transport 'auto' reads other nodes through the object store only: "
+        "the nixl transport needs NIXL (import of nixl halted; None in sys.modules): pip install 'ray-distkv[rdma]'"
+    ]
+    assert chooser.start(holder("b"), READS, lambda: None).transport == "object_store"
+
+
+def test_the_object_store_setting_registers_nothing(pool, monkeypatch):
+    monkeypatch.setitem(sys.modules, "nixl", None)  # not even imported
+    assert node_transports("object_store", pool, FakeTransport("object_store")).endpoint is None
