@@ -275,6 +275,12 @@ class ClusterOffloadingManager(OffloadingManager):
                 "failed": dict(promoter.failed),
                 "bytes": {"same_node": promoter.bytes_same_node, "cross_node": promoter.bytes_cross_node},
                 "in_flight": len(self._promoting),
+                # cross-node promotions by transport, and each holder node's measured rates
+                "transports": {
+                    name: {"blocks": int(blocks), "bytes": int(nbytes), "seconds": seconds}
+                    for name, (blocks, nbytes, seconds) in list(promoter.transported.items())
+                },
+                "transport_rates": promoter.transport.rates(),
             },
             "blocks": {
                 "stored": self.blocks_stored,

@@ -101,6 +101,15 @@ METRICS: dict[str, MetricDef] = {
                   REPLICA_TAGS + ("path",), LATENCY_BUCKETS_S),
         MetricDef("distkv_promotion_bytes", COUNTER,
                   "Bytes promoted into this replica's pool", REPLICA_TAGS + ("path",)),
+        MetricDef("distkv_transport_bytes", COUNTER,
+                  "Bytes of cross-node promotions that landed and checked out, by the transport that moved them "
+                  "(object_store, nixl)", REPLICA_TAGS + ("transport",)),
+        MetricDef("distkv_transport_seconds", COUNTER,
+                  "Time cross-node transfers took from start to landing, by transport (concurrent transfers each "
+                  "count): bytes over seconds is the transport's rate over its own time", REPLICA_TAGS + ("transport",)),
+        MetricDef("distkv_transport_rate_gbps", GAUGE,
+                  "The rate (GB/s) transport `auto` last measured reading from `holder_node` by each transport; "
+                  "the faster carries that node's promotions", REPLICA_TAGS + ("holder_node", "transport")),
         MetricDef("distkv_blocks_stored", COUNTER,
                   "Blocks the engine stored (offloaded) into this replica's pool", REPLICA_TAGS),
         MetricDef("distkv_blocks_evicted", COUNTER,
@@ -402,6 +411,12 @@ class ReplicaSource:
             out.count("distkv_promotions_failed", tags, promotions["failed"][path])
             out.count("distkv_promotion_bytes", tags, promotions["bytes"][path])
         out.gauge("distkv_promotions_in_flight", base, promotions["in_flight"])
+        for transport, moved in promotions["transports"].items():
+            out.count("distkv_transport_bytes", {**base, "transport": transport}, moved["bytes"])
+            out.count("distkv_transport_seconds", {**base, "transport": transport}, moved["seconds"])
+        for holder_node, rates in promotions["transport_rates"].items():
+            for transport, rate in rates.items():
+                out.gauge("distkv_transport_rate_gbps", {**base, "holder_node": holder_node, "transport": transport}, rate / 1e9)
         latencies = manager.promoter.latencies
         while latencies:
             path, seconds = latencies.popleft()

@@ -242,6 +242,24 @@ def format_status(status: dict[str, Any]) -> str:
          "promoted same/cross", "failed", "stored", "evicted", "errors", "seen"),
         rows,
     )
+    lines += ["", "TRANSPORTS (cross-node promotions; GB/s over the transfers' own time)"]
+    moved, measured = [], []
+    for r in replicas:
+        promotions = (r["promotions"] or {}) if r["lookups"] is not None else {}
+        for transport, m in sorted(promotions.get("transports", {}).items()):
+            rate = m["bytes"] / m["seconds"] / 1e9 if m["seconds"] else 0.0
+            moved.append((r["replica"], _short(r["node_id"]), transport, m["blocks"], _bytes(m["bytes"]), f"{rate:.2f}"))
+        for holder_node, rates in sorted(promotions.get("transport_rates", {}).items()):
+            measured.append((
+                r["replica"],
+                f"{_short(holder_node)} -> {_short(r['node_id'])}",
+                *(f"{rates[t] / 1e9:.2f}" if t in rates else "-" for t in ("object_store", "nixl")),
+                max(rates, key=rates.get) if rates else "-",
+            ))
+    lines += _table(("replica", "node", "transport", "blocks", "bytes", "GB/s"), moved)
+    if measured:
+        lines += ["", "  measured per node pair (transport: auto), GB/s:"]
+        lines += _table(("replica", "nodes", "object_store", "nixl", "chosen"), measured)
     lines += ["", "DIRECTORY"]
     lines += _table(
         ("namespace", "shard", "node", "keys", "holders", "replicas", "publishes", "queries", "status"),

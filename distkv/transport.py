@@ -28,7 +28,7 @@ import numpy as np
 from distkv.abstract import OffloadKey
 from distkv.directory import ReplicaInfo
 from distkv.pool import HEADER_BYTES, HostPool, PoolLayout, Sealed, check_landed, copy_checksum
-from distkv.rdma import NixlAgent, NixlRead
+from distkv.rdma import NixlAgent, NixlRead, PoolEndpoint
 
 # Per read, each rank's header as the holder sealed it; None: not to be used.
 Landed = list[list[Sealed] | None]
@@ -76,6 +76,10 @@ class Transport(ABC):
     def start(self, holder: ReplicaInfo, reads: Sequence[RowRead], wake: Callable[[], None]) -> Transfer:
         """Start `reads` from `holder`'s pool; `wake` runs (on any thread) when the transfer
         may have become done. Raises if nothing could start."""
+
+    def rates(self) -> dict[str, dict[str, float]]:
+        """Per holder node, the rate (bytes/s) measured for each transport; {} if it measures none."""
+        return {}
 
     def close(self) -> None:
         """Release what the transport holds."""
@@ -251,7 +255,7 @@ class _NixlReads(Transfer):
         self._read.release()
         self._read = None
         if state == "failed":
-            self._failed = True
+            self._fail()
             return True
         if self._second:
             return True
@@ -259,9 +263,15 @@ class _NixlReads(Transfer):
         try:
             self._read = self._transport.agent.read(self._endpoint, self._generations)
         except Exception:
-            self._failed = True
+            self._fail()
             return True
         return False
+
+    def _fail(self) -> None:
+        """A read failed: the peer is gone or restarted, so the next read connects afresh
+        (a restarted holder has a new agent, and its new endpoint a new name)."""
+        self._failed = True
+        self._transport.agent.forget(self._endpoint.agent_name)
 
     def finish(self) -> Landed:
         try:
@@ -321,6 +331,7 @@ class NixlTransport(Transport):
             return _NixlReads(self, holder, reads, scratch)
         except BaseException:
             self.scratch.give_back(scratch)
+            self.agent.forget(holder.endpoint.agent_name)
             raise
 
     def close(self) -> None:
@@ -388,13 +399,18 @@ class NodeTransports(Transport):
         self._measuring: set[tuple[str, str]] = set()  # (node, transport) with a measurement in flight
 
     @property
-    def endpoint(self):
+    def nixl(self) -> NixlTransport | None:
+        """The NIXL transport, when this replica has one."""
+        return self._nixl
+
+    @property
+    def endpoint(self) -> PoolEndpoint | None:
         """This replica's own NIXL endpoint, or None when it reads through the object store only."""
         return None if self._nixl is None else self._nixl.endpoint
 
     def rates(self) -> dict[str, dict[str, float]]:
-        """Per holder node measured so far, each transport's last rate in bytes/s."""
-        return {node: {name: rate for name, (rate, _) in by.items()} for node, by in self._rates.items()}
+        """Per holder node measured so far ("auto"), each transport's last rate in bytes/s."""
+        return {node: {name: rate for name, (rate, _) in list(by.items())} for node, by in list(self._rates.items())}
 
     def chosen(self, holder: ReplicaInfo) -> Transport:
         """The transport the next transfer from `holder` takes (not counting re-measures)."""

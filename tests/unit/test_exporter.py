@@ -307,6 +307,11 @@ def test_replica_source_exports_the_stats(replicas):
     assert backend.gauges[("distkv_pool_capacity_bytes", *tags)] == 64 * BLOCK_BYTES
     assert backend.gauges[("distkv_pool_used_bytes", *tags)] == 8 * BLOCK_BYTES
     assert backend.gauges[("distkv_promotions_in_flight", *tags)] == 0
+    # every cross-node byte came by the object store (the fake spec's only transport), over
+    # transfers that took some time
+    assert backend.counters[("distkv_transport_bytes", *tags, "object_store")] == 8 * BLOCK_BYTES
+    assert backend.counters[("distkv_transport_seconds", *tags, "object_store")] > 0
+    assert stats["promotions"]["transports"]["object_store"]["blocks"] == 8
 
 
 def test_evictions_and_rejected_stores_are_counted(replicas):

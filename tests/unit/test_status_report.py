@@ -69,3 +69,17 @@ def test_an_address_nobody_listens_on_fails_at_once(capsys):
         port = s.getsockname()[1]
     assert run(argparse.Namespace(address=f"127.0.0.1:{port}", json=True)) == 1
     assert "cannot connect to the Ray cluster" in capsys.readouterr().err
+
+
+def test_the_table_shows_each_transport_and_the_rates_measured_per_node_pair():
+    rep = report(12.0, local_hit=9)
+    rep["promotions"]["transports"] = {
+        "nixl": {"blocks": 64, "bytes": 128 << 20, "seconds": 0.05},
+        "object_store": {"blocks": 1, "bytes": 2 << 20, "seconds": 0.01},
+    }
+    rep["promotions"]["transport_rates"] = {"h" * 56: {"nixl": 2.5e9, "object_store": 0.5e9}}
+    status = {"nodes": [], "replicas": merge_replicas([("ns", shard_entry("r1", 4, 0.3, rep))]), "directory": [],
+              "recent_errors": []}
+    lines = format_status(status).splitlines()
+    assert any(line.split() == ["r1", "n" * 12, "nixl", "64", "128.0", "MiB", "2.68"] for line in lines)
+    assert any(line.split() == ["r1", "h" * 12, "->", "n" * 12, "0.50", "2.50", "nixl"] for line in lines)
