@@ -24,7 +24,9 @@ from distkv.pool import (  # noqa: E402
     reclaim_stale_segments,
     segment_name,
 )
+from distkv.directory import ReplicaInfo  # noqa: E402
 from distkv.rdma import NixlAgent, RdmaUnavailable, load_nixl  # noqa: E402
+from distkv.transport import NixlTransport, RowRead  # noqa: E402
 
 LAYOUT = PoolLayout(num_rows=8, num_ranks=2, slot_bytes=2 * PAGE_BYTES)
 KEY = b"rdma-block\x00\x00\x00\x00"
@@ -167,3 +169,37 @@ def test_without_nixl_the_error_says_how_to_get_it(monkeypatch):
     monkeypatch.setitem(sys.modules, "nixl", None)
     with pytest.raises(RdmaUnavailable, match=r"pip install 'ray-distkv\[rdma\]'"):
         load_nixl()
+
+
+def test_the_nixl_transport_lands_checks_and_fails_into_misses(holder):
+    """NixlTransport as the Promoter drives it: slots straight into the reserved rows, each
+    checked; a stale generation is a miss; a killed holder fails the transfer, drops the
+    peer and gives the scratch back."""
+    process, _, endpoint = holder
+    local = HostPool(segment_name("t" + uuid.uuid4().hex[:8], "requester"), LAYOUT)
+    transport = NixlTransport(local, NixlAgent(), scratch_slots=8)
+    info = ReplicaInfo("holder", "node-a", "distkv-x-holder", LAYOUT.num_rows, LAYOUT.num_ranks, LAYOUT.slot_bytes,
+                       endpoint=endpoint)
+
+    def run(reads):
+        transfer = transport.start(info, reads, lambda: None)
+        deadline = time.monotonic() + 60
+        while not transfer.done() and time.monotonic() < deadline:
+            time.sleep(0)
+        return transfer.finish()
+
+    try:
+        landed = run([RowRead(KEY, 3, 7, 5), RowRead(KEY, 3, 8, 6)])
+        assert landed[1] is None  # asked at another generation: a miss
+        assert [m.nbytes for m in landed[0]] == [LAYOUT.slot_bytes] * LAYOUT.num_ranks
+        for rank in range(LAYOUT.num_ranks):
+            np.testing.assert_array_equal(local.payload[rank, 5], payload_of(3, rank, 0))
+        os.kill(process.pid, signal.SIGKILL)
+        process.join(30)
+        with pytest.raises(Exception):
+            run([RowRead(KEY, 3, 7, 4)])
+        assert transport.agent.num_peers == 0
+        assert transport.scratch.take(8) is not None  # every slot of the scratch came back
+    finally:
+        transport.close()
+        local.close()
