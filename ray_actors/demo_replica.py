@@ -11,6 +11,7 @@ import torch
 
 from distkv.demo.engine import ModelReplica, demo_spec, pick_device
 from distkv.demo.model import ModelConfig
+from distkv.spec import LocalOffloadingSpec
 
 
 @ray.remote(num_cpus=0)
@@ -27,12 +28,19 @@ class DemoReplicaActor:
         torch.set_num_threads(threads)  # replicas sharing a node's cores should not oversubscribe them
         spec = demo_spec(replica_id, extra_config, model, block_tokens)
         self.engine = ModelReplica(spec, model, max_prompt_tokens, device=pick_device())
+        # the same replica offloading to a pool of its own that nobody else reads: what
+        # vLLM's native CPU offloading gives each replica
+        own = demo_spec(f"{replica_id}_own", extra_config, model, block_tokens, spec_class=LocalOffloadingSpec)
+        self.own_pool_engine = ModelReplica(own, model, max_prompt_tokens, device=pick_device())
 
     def describe(self) -> dict[str, str]:
         return {"node_id": ray.get_runtime_context().get_node_id(), "device": str(self.engine.model.device)}
 
     def serve(self, tokens: Sequence[int] | np.ndarray) -> dict[str, Any]:
         return self.engine.serve(tokens)
+
+    def serve_own_pool_only(self, tokens: Sequence[int] | np.ndarray) -> dict[str, Any]:
+        return self.own_pool_engine.serve(tokens)
 
     def serve_without_offloading(self, tokens: Sequence[int] | np.ndarray) -> dict[str, Any]:
         return self.engine.serve_without_offloading(tokens)
@@ -42,3 +50,4 @@ class DemoReplicaActor:
 
     def shutdown(self) -> None:
         self.engine.shutdown()
+        self.own_pool_engine.shutdown()

@@ -18,11 +18,13 @@ import numpy as np
 import torch
 
 from distkv.abstract import OffloadingSpec
+from distkv.cluster import ClusterOffloadingManager
 from distkv.demo.model import ModelConfig, PagedKV, TinyDecoder, prefill
 from distkv.harness import Prefill, Replica, block_keys
 from distkv.spec import RayOffloadingSpec
 
 SOURCES = ("local", "same_node", "cross_node")
+TRANSPORTS = ("nixl", "object_store")
 
 
 def pick_device() -> str:
@@ -32,9 +34,16 @@ def pick_device() -> str:
     return "cpu"
 
 
-def demo_spec(replica_id: str, extra_config: Mapping[str, Any], model: ModelConfig, block_tokens: int) -> RayOffloadingSpec:
-    """The offloading spec of a demo replica: its KV layout is the model's paged cache."""
-    return RayOffloadingSpec.from_layout(
+def demo_spec(
+    replica_id: str,
+    extra_config: Mapping[str, Any],
+    model: ModelConfig,
+    block_tokens: int,
+    spec_class: type[OffloadingSpec] = RayOffloadingSpec,
+) -> OffloadingSpec:
+    """The offloading spec of a demo replica: its KV layout is the model's paged cache.
+    `spec_class` LocalOffloadingSpec: a pool of its own that it shares with nobody."""
+    return spec_class.from_layout(
         extra_config,
         gpu_block_sizes=[block_tokens],
         group_page_bytes=[2 * model.page_bytes(block_tokens)],
@@ -46,8 +55,8 @@ def demo_spec(replica_id: str, extra_config: Mapping[str, Any], model: ModelConf
 class ModelReplica:
     """One engine replica running the model, its KV cache offloaded through `spec`.
 
-    `spec` must give a ClusterOffloadingManager (it attributes loaded blocks to where
-    they came from) and have a block_size_factor of 1.
+    `spec` must have a block_size_factor of 1. With a ClusterOffloadingManager, loaded
+    blocks are attributed to where they came from; with a local one, all are its own.
     """
 
     def __init__(
@@ -67,18 +76,21 @@ class ModelReplica:
             spec, num_blocks, model.page_bytes(self.block_tokens), compute=self._compute, step_s=step_s, device=device
         )
         self.manager = self.replica.manager
+        self._shared = isinstance(self.manager, ClusterOffloadingManager)
         self.cache = PagedKV(self.replica.kv[0], self.replica.kv[1], model, self.block_tokens)
         self._prefill: Prefill | None = None
 
     def serve(self, tokens: Sequence[int] | np.ndarray) -> dict[str, Any]:
         """Serve one prompt through distkv: what came from where, its TTFT and block digests."""
-        loaded_before = dict(self.manager.blocks_loaded)
+        loaded_before = dict(self.manager.blocks_loaded) if self._shared else None
         promoted_before = self._promoted_bytes()
         result = self.replica.serve(tokens)
         p = self._prefill
         hits = result.hit_blocks
         if result.load_failures:  # the manager counted a load whose blocks were then computed
             by_source = dict.fromkeys(SOURCES, 0)
+        elif loaded_before is None:
+            by_source = {**dict.fromkeys(SOURCES, 0), "local": hits}
         else:
             by_source = {s: self.manager.blocks_loaded[s] - loaded_before[s] for s in SOURCES}
         # The blocks are free again but untouched until the next request: digest them now,
@@ -107,16 +119,23 @@ class ModelReplica:
         return {"ttft_s": time.perf_counter() - arrived, "first_token": token}
 
     def stats(self) -> dict[str, float]:
-        """Bytes and seconds of this replica's promotions so far, per path."""
+        """Bytes and seconds of this replica's promotions so far, per path, and of its
+        cross-node ones per transport (`<transport>_bytes`, `<transport>_s`)."""
         promoter = self.manager.promoter
-        return {
+        stats = {
             "same_node_bytes": promoter.bytes_same_node,
             "same_node_s": promoter.seconds_same_node,
             "cross_node_bytes": promoter.bytes_cross_node,
             "cross_node_s": promoter.seconds_cross_node,
         }
+        for transport in TRANSPORTS:
+            _, nbytes, seconds = promoter.transported.get(transport, (0, 0, 0.0))
+            stats[f"{transport}_bytes"], stats[f"{transport}_s"] = nbytes, seconds
+        return stats
 
     def _promoted_bytes(self) -> int:
+        if not self._shared:
+            return 0
         return self.manager.promoter.bytes_same_node + self.manager.promoter.bytes_cross_node
 
     def shutdown(self) -> None:

@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from distkv.demo.engine import SOURCES
+from distkv.demo.engine import SOURCES, TRANSPORTS
 
 PATH_ROWS = (
     ("local_load", "local load"),
@@ -39,6 +39,10 @@ class Tally:
         self.load_s = 0.0
         self.promoted_bytes = 0
         self.ttft_s: list[float] = []
+        # per distkv request: (time to first token, lookup retries, load seconds)
+        self._requests: list[tuple[float, int, float]] = []
+        self.ttft_own_s: list[float] = []
+        self.own_hit_blocks = 0
         self.ttft_off_s: list[float] = []
         self.first_tokens: dict[int, int] = {}
         self.first_tokens_off: dict[int, int] = {}
@@ -60,7 +64,18 @@ class Tally:
         self.load_s += result["load_s"]
         self.promoted_bytes += result["promoted_bytes"]
         self.ttft_s.append(result["ttft_s"])
+        self._requests.append((result["ttft_s"], result["retries"], result["load_s"]))
         self.first_tokens[index] = result["first_token"]
+        self._record_blocks(result)
+
+    def add_own_pool_only(self, index: int, result: Mapping[str, Any]) -> None:
+        """The same request served by its replica offloading to a pool of its own only."""
+        self.ttft_own_s.append(result["ttft_s"])
+        self.own_hit_blocks += sum(result["blocks_by_source"].values())
+        self.load_failures += result["load_failures"]
+        self._record_blocks(result)
+
+    def _record_blocks(self, result: Mapping[str, Any]) -> None:
         replica = result["replica"]
         for key, digest in result["computed"]:
             self._digests[key].add(digest)
@@ -114,6 +129,10 @@ class Tally:
                 promotions["cross_node_bytes"] // self.block_bytes, promotions["cross_node_bytes"], promotions["cross_node_s"]
             ),
         }
+        by_transport = {
+            t: _transfer(promotions[f"{t}_bytes"] // self.block_bytes, promotions[f"{t}_bytes"], promotions[f"{t}_s"])
+            for t in TRANSPORTS
+        }
         tokens = {source: blocks * self.block_tokens for source, blocks in self.hit_blocks.items()}
         tokens["recomputed"] = self.prompt_tokens - self.hit_tokens
         return {
@@ -124,8 +143,17 @@ class Tally:
             "hit_rate": self.hit_rate,
             "hit_tokens_computed_by_another_replica": self.hit_tokens_computed_elsewhere(),
             "oracle_hit_rate": oracle_hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0,
-            "ttft_s": {"distkv": _percentiles(self.ttft_s), "offloading_off": _percentiles(self.ttft_off_s)},
+            "own_pool_only_hit_rate": (
+                self.own_hit_blocks * self.block_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+            ),
+            "ttft_s": {
+                "distkv": _percentiles(self.ttft_s),
+                "own_pool_only": _percentiles(self.ttft_own_s),
+                "offloading_off": _percentiles(self.ttft_off_s),
+            },
+            "tail": self._tail(),
             "transfers": transfers,
+            "transfers_by_transport": by_transport,
             "block_bytes": self.block_bytes,
             "blocks_verified": verified,
             "mismatches": mismatches,
@@ -134,6 +162,25 @@ class Tally:
             "first_tokens_as_offloading_off": sum(
                 1 for i, t in self.first_tokens.items() if self.first_tokens_off.get(i) == t
             ),
+        }
+
+
+    def _tail(self) -> dict[str, dict[str, float]]:
+        """Where distkv's slowest requests spend their time: the mean time to first token,
+        lookup retries (each a scheduler step waiting on a promotion) and load time of the
+        requests at or past the p99, beside those of all requests."""
+        if not self._requests:
+            return {}
+        p99 = float(np.percentile([r[0] for r in self._requests], 99))
+        groups = {"all": self._requests, "p99_and_slower": [r for r in self._requests if r[0] >= p99]}
+        return {
+            name: {
+                "requests": len(group),
+                "ttft_s": float(np.mean([r[0] for r in group])),
+                "retries": float(np.mean([r[1] for r in group])),
+                "load_s": float(np.mean([r[2] for r in group])),
+            }
+            for name, group in groups.items()
         }
 
 
@@ -166,16 +213,31 @@ def format_table(s: Mapping[str, Any]) -> str:
         f"  hit tokens computed by another replica: {s['hit_tokens_computed_by_another_replica']:,}"
         f" ({s['hit_tokens_computed_by_another_replica'] / max(t['local'] + t['same_node'] + t['cross_node'], 1):.1%})",
         "",
+        f"  own pool only (each replica offloading to a pool of its own, as vLLM's CPU offloading): "
+        f"hit rate {s['own_pool_only_hit_rate']:.1%}",
+        "",
         "  time to first token (from a request's arrival at its replica to its first token)",
-        f"  {'':<22}{'distkv':>12}{'offloading off':>18}{'speed-up':>11}",
+        f"  {'':<22}{'distkv':>12}{'own pool only':>17}{'offloading off':>18}{'vs own':>9}{'vs off':>9}",
     ]
-    on, off = s["ttft_s"]["distkv"], s["ttft_s"]["offloading_off"]
+    on, own, off = (s["ttft_s"][arm] for arm in ("distkv", "own_pool_only", "offloading_off"))
     for p in ("p50", "p99"):
-        ratio = off[p] / on[p] if on[p] > 0 else 0.0
-        lines.append(f"    {p:<20}{on[p] * 1e3:>9.1f} ms{off[p] * 1e3:>15.1f} ms{ratio:>10.2f}x")
-    lines += ["", f"  {'bytes moved':<22}{'blocks':>12}{'MiB':>12}{'GB/s':>10}"]
-    for path, label in PATH_ROWS:
-        x = s["transfers"][path]
+        vs_own, vs_off = (x[p] / on[p] if on[p] > 0 else 0.0 for x in (own, off))
+        lines.append(
+            f"    {p:<20}{on[p] * 1e3:>9.1f} ms{own[p] * 1e3:>14.1f} ms{off[p] * 1e3:>15.1f} ms"
+            f"{vs_own:>8.2f}x{vs_off:>8.2f}x"
+        )
+    tail = s["tail"]
+    if tail:
+        slow, every = tail["p99_and_slower"], tail["all"]
+        lines.append(
+            f"    the {slow['requests']} slowest (p99 and over): {slow['retries']:.1f} lookup retries and "
+            f"{slow['load_s'] * 1e3:.1f} ms of loads each on average, against {every['retries']:.1f} and "
+            f"{every['load_s'] * 1e3:.1f} ms over all"
+        )
+    lines += ["", f"  {'bytes moved':<22}{'blocks':>12}{'MiB':>12}{'GB/s':>10}   (GB/s over the transfers' own time)"]
+    rows = [(label, s["transfers"][path]) for path, label in PATH_ROWS]
+    rows += [(f"  by {t}", s["transfers_by_transport"][t]) for t in TRANSPORTS]
+    for label, x in rows:
         lines.append(f"    {label:<20}{x['blocks']:>12,}{x['bytes'] / 2**20:>12.1f}{x['gb_per_s']:>10.2f}")
     lines += [
         "",
@@ -183,6 +245,7 @@ def format_table(s: Mapping[str, Any]) -> str:
         f" (load failures {s['load_failures']}, lookup retries {s['lookup_retries']:,})",
         f"  first tokens as with offloading off: {s['first_tokens_as_offloading_off']}/{s['requests']}",
         f"  wall time {sec['total']:.1f} s: start {sec['start']:.1f} s, distkv {sec['distkv']:.1f} s, "
-        f"offloading off {sec['offloading_off']:.1f} s, shutdown {sec['shutdown']:.1f} s",
+        f"own pool only {sec['own_pool_only']:.1f} s, offloading off {sec['offloading_off']:.1f} s, "
+        f"shutdown {sec['shutdown']:.1f} s",
     ]
     return "\n".join(lines)

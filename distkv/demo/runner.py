@@ -1,9 +1,10 @@
 """`distkv demo`: engine replicas sharing one prefix cache on a Ray cluster, measured.
 
 Starts an embedded local Ray cluster of simulated nodes (or joins one), places model
-replicas on its nodes, sends one trace through a round-robin router twice (through distkv,
-then with offloading off), checks every loaded block, and reports where the prompt tokens
-came from, the time to first token and the bytes moved per path.
+replicas on its nodes, sends one trace through a round-robin router three times (through
+distkv; with each replica offloading to its own pool only, as vLLM's native CPU offloading
+does; with offloading off), checks every loaded block, and reports where the prompt tokens
+came from, the time to first token and the bytes moved per path and transport.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from typing import Any, TextIO
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from distkv.config import DistkvConfig
+from distkv.config import TRANSPORTS, DistkvConfig
 from distkv.demo.engine import demo_spec
 from distkv.demo.model import ModelConfig
 from distkv.demo.report import Tally, format_table
@@ -44,6 +45,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     cluster.add_argument("--in-flight", type=int, help="requests in flight at once (default: twice the replicas)")
     cluster.add_argument("--pool-mib", type=int, default=256, help="host pool per replica, MiB (default 256)")
     cluster.add_argument("--block-tokens", type=int, default=16, help="tokens per KV block (default 16)")
+    cluster.add_argument(
+        "--transport", choices=TRANSPORTS, default="auto",
+        help="how blocks come from other nodes: object_store, nixl, or auto (default: the faster, measured)",
+    )
     work = parser.add_argument_group("workload")
     work.add_argument("--requests", type=int, default=d.requests, help=f"(default {d.requests})")
     work.add_argument("--system-prompts", type=int, default=d.system_prompts, help=f"(default {d.system_prompts})")
@@ -103,6 +108,9 @@ def run(args: argparse.Namespace) -> int:
         t = time.perf_counter()
         demo.serve(trace, "serve", tally.add, "distkv", lambda: _status(tally))
         seconds["distkv"] = time.perf_counter() - t
+        t = time.perf_counter()
+        demo.serve(trace, "serve_own_pool_only", tally.add_own_pool_only, "own pool only", lambda: "")
+        seconds["own_pool_only"] = time.perf_counter() - t
         t = time.perf_counter()
         demo.serve(trace, "serve_without_offloading", tally.add_without_offloading, "offloading off", lambda: "")
         seconds["offloading_off"] = time.perf_counter() - t
@@ -172,7 +180,11 @@ class Demo:
         self.log = log
         run_id = uuid.uuid4().hex[:8]
         self.run_id = run_id
-        self.extra_config = {"cpu_bytes_to_use": args.pool_mib << 20, "tenant_salt": f"demo-{run_id}"}
+        self.extra_config = {
+            "cpu_bytes_to_use": args.pool_mib << 20,
+            "tenant_salt": f"demo-{run_id}",
+            "transport": args.transport,
+        }
         self.namespace = demo_spec("namespace", self.extra_config, model, args.block_tokens).namespace
         self.cluster = None
         self.actors: list[ray.actor.ActorHandle] = []

@@ -22,7 +22,7 @@ SMALL = [
     "--user-tokens", "16", "--reply-tokens", "16", "--turns", "3", "--model-dim", "64", "--model-layers", "2",
     "--vocab-size", "512", "--pool-mib", "16",
 ]
-DEMO_SEGMENT = re.compile(re.escape(SEGMENT_PREFIX) + r"[0-9a-f]+-demo[0-9a-f]{8}_r\d+$")
+DEMO_SEGMENT = re.compile(re.escape(SEGMENT_PREFIX) + r"[0-9a-f]+-demo[0-9a-f]{8}_r\d+(_own)?$")
 
 
 def demo_segments() -> set[str]:
@@ -68,7 +68,7 @@ def test_every_field_is_there_and_the_figures_agree(document):
     assert 0 < doc["hit_tokens_computed_by_another_replica"] <= hit_tokens
     assert doc["blocks_verified"] == hit_tokens // block_tokens
 
-    for side in ("distkv", "offloading_off"):
+    for side in ("distkv", "own_pool_only", "offloading_off"):
         ttft = doc["ttft_s"][side]
         assert 0 < ttft["p50"] <= ttft["p99"]
 
@@ -84,7 +84,12 @@ def test_every_field_is_there_and_the_figures_agree(document):
     assert tokens["same_node"] == 0  # one replica per node: no neighbour to promote from
 
     assert 0 <= doc["first_tokens_as_offloading_off"] <= doc["requests"]
-    assert set(doc["seconds"]) == {"start", "distkv", "offloading_off", "shutdown", "total"}
+    assert set(doc["seconds"]) == {"start", "distkv", "own_pool_only", "offloading_off", "shutdown", "total"}
+    by_transport = doc["transfers_by_transport"]
+    assert set(by_transport) == {"nixl", "object_store"}
+    cross = doc["transfers"]["cross_node_promotion"]
+    assert sum(t["bytes"] for t in by_transport.values()) == cross["bytes"]
+    assert 0 <= doc["own_pool_only_hit_rate"] <= doc["hit_rate"] + 0.05
     assert doc["model"]["dim"] == 64 and doc["workload"]["requests"] == 24
 
 
