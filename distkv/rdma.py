@@ -12,8 +12,10 @@ A read orders none of its bytes: a reader of pool slots follows `pool.check_land
 
 from __future__ import annotations
 
+import logging
 import os
 import secrets
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,6 +38,15 @@ def load_nixl() -> Any:
         raise RdmaUnavailable(
             f"the nixl transport needs NIXL ({e}): pip install 'ray-distkv[rdma]'"
         ) from e
+    # NIXL logs to stdout, at INFO for every agent it starts: stdout is the program's (a
+    # replica's, `distkv demo --json`'s), so it logs to stderr here, warnings and worse
+    # unless NIXL_LOG_LEVEL says otherwise.
+    nixl_logger = logging.getLogger("nixl")
+    if "NIXL_LOG_LEVEL" not in os.environ:
+        nixl_logger.setLevel(logging.WARNING)
+    for handler in nixl_logger.handlers:
+        if isinstance(handler, logging.StreamHandler) and handler.stream is sys.stdout:
+            handler.setStream(sys.stderr)
     return _api
 
 

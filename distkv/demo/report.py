@@ -105,8 +105,9 @@ class Tally:
     # ---- the end -----------------------------------------------------------------------
 
     def verify(self) -> tuple[int, int]:
-        """(blocks verified, mismatches): each loaded block against the digests that the
-        replicas which computed its key recorded. Call once every request is in."""
+        """(blocks verified, mismatches): each loaded block (of the distkv and the own-pool
+        arms) against the digests that the replicas which computed its key recorded. Call
+        once every request is in."""
         mismatches = sum(1 for key, digest, _ in self._loaded if digest not in self._digests.get(key, ()))
         return len(self._loaded), mismatches
 
@@ -143,6 +144,7 @@ class Tally:
             "hit_rate": self.hit_rate,
             "hit_tokens_computed_by_another_replica": self.hit_tokens_computed_elsewhere(),
             "oracle_hit_rate": oracle_hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0,
+            "own_pool_only_hit_tokens": self.own_hit_blocks * self.block_tokens,
             "own_pool_only_hit_rate": (
                 self.own_hit_blocks * self.block_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
             ),

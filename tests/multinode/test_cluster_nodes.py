@@ -189,6 +189,27 @@ def test_stress_four_replicas_two_nodes(cluster, replicas):
         time.sleep(0.1)
 
 
+@pytest.mark.parametrize("transport", ["nixl", "object_store"])
+def test_a_prefix_from_another_node_comes_by_the_transport_configured(cluster, replicas, transport):
+    pytest.importorskip("nixl")
+    _, (n1, n2, _) = cluster
+    group = replicas(transport=transport)
+    a = group.start("a", n1, pool_blocks=64)
+    b = group.start("b", n2, pool_blocks=64)
+    tokens = prompt(7, 16)
+    keys = block_keys(tokens, BLOCK_TOKENS)
+    assert ray.get(a.serve.remote(tokens))["stored_blocks"] == 16
+    wait_visible(b, keys, "a")
+    result = ray.get(b.serve.remote(tokens))
+    assert result["hit_blocks"] == 16  # and each block loaded equals what computing it gives
+    assert result["mismatches"] == 0 and result["load_failures"] == 0
+    blocks, nbytes, seconds = ray.get(b.transported.remote())[transport]
+    assert (blocks, nbytes) == (16, 16 * SLOT_BYTES) and seconds > 0
+    assert list(ray.get(b.transported.remote())) == [transport]
+    group.shutdown()
+    assert not group.segments()
+
+
 def test_node_loss(cluster, replicas):
     ray_cluster, (n1, n2, n3) = cluster
     timeout_s = 2.0
@@ -263,23 +284,3 @@ def test_node_loss(cluster, replicas):
         os.unlink(lost)
     assert not group.segments()
 
-
-@pytest.mark.parametrize("transport", ["nixl", "object_store"])
-def test_a_prefix_from_another_node_comes_by_the_transport_configured(cluster, replicas, transport):
-    pytest.importorskip("nixl")
-    _, (n1, n2, _) = cluster
-    group = replicas(transport=transport)
-    a = group.start("a", n1, pool_blocks=64)
-    b = group.start("b", n2, pool_blocks=64)
-    tokens = prompt(7, 16)
-    keys = block_keys(tokens, BLOCK_TOKENS)
-    assert ray.get(a.serve.remote(tokens))["stored_blocks"] == 16
-    wait_visible(b, keys, "a")
-    result = ray.get(b.serve.remote(tokens))
-    assert result["hit_blocks"] == 16  # and each block loaded equals what computing it gives
-    assert result["mismatches"] == 0 and result["load_failures"] == 0
-    blocks, nbytes, seconds = ray.get(b.transported.remote())[transport]
-    assert (blocks, nbytes) == (16, 16 * SLOT_BYTES) and seconds > 0
-    assert list(ray.get(b.transported.remote())) == [transport]
-    group.shutdown()
-    assert not group.segments()

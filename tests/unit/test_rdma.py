@@ -203,3 +203,14 @@ def test_the_nixl_transport_lands_checks_and_fails_into_misses(holder):
     finally:
         transport.close()
         local.close()
+
+
+def test_starting_an_agent_writes_nothing_to_stdout():
+    """stdout is the program's: `distkv demo --json` prints its document there."""
+    import subprocess
+
+    done = subprocess.run(
+        [sys.executable, "-c", "from distkv.rdma import NixlAgent; NixlAgent().close()"],
+        capture_output=True, text=True, timeout=120, check=True,
+    )
+    assert done.stdout == ""

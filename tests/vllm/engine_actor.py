@@ -45,6 +45,10 @@ class EngineActor:
         promoter = self.engine.manager.cluster.promoter
         return promoter.bytes_same_node, promoter.bytes_cross_node
 
+    def transported(self) -> dict[str, list[float]]:
+        """Cross-node promotions by transport: [blocks, bytes, seconds]."""
+        return dict(self.engine.manager.cluster.promoter.transported)
+
     def worker_plan(self) -> tuple[Any, ReplicaPlan]:
         """The OffloadingConfig vLLM built the worker side's spec from, and the plan it derived."""
         spec = self.engine.worker.connector_worker.spec

@@ -45,6 +45,7 @@ def engines(model_dir):
             "cpu_bytes_to_use": 8 << 20,
             "tenant_salt": uuid.uuid4().hex,
             "promotion_timeout_s": 60.0,
+            "transport": "nixl",
         }
         env = {"PYTHONHASHSEED": HASH_SEED, "PYTHONPATH": os.pathsep.join(filter(None, [HERE, os.environ.get("PYTHONPATH")]))}
         actors = [
@@ -92,6 +93,7 @@ def test_replica_b_on_another_node_loads_the_prefix_replica_a_computed(engines):
     assert exact, "B loaded KV bytes that differ from what A computed"
     same_node, cross_node = ray.get(b.promoted_bytes.remote())
     assert same_node == 0 and cross_node > 0  # the blocks came from A's node
+    assert ray.get(b.transported.remote())["nixl"][1] == cross_node  # read one-sidedly, every byte
 
 
 def test_a_worker_process_derives_the_plan_of_its_scheduler(engines, monkeypatch):
