@@ -112,9 +112,10 @@ class NixlAgent:
         self._registrations: list[Any] = []
         self._peers: dict[str, str] = {}  # agent name -> the name NIXL gave it here
 
-    def register(self, address: int, nbytes: int) -> None:
-        """Make [address, address + nbytes) of this process readable and writable by reads."""
-        self._registrations.append(self._agent.register_memory([(address, nbytes, 0, "")], MEM_TYPE))
+    def register(self, address: int, nbytes: int, mem_type: str = MEM_TYPE, device: int = 0) -> None:
+        """Make [address, address + nbytes) of this process readable and writable by reads:
+        host memory ("DRAM"), or memory of GPU `device` ("VRAM")."""
+        self._registrations.append(self._agent.register_memory([(address, nbytes, device, "")], mem_type))
 
     def endpoint(self, pool: HostPool) -> PoolEndpoint:
         """Register pool's segment and say where peers read it."""
@@ -122,17 +123,18 @@ class NixlAgent:
         self.register(pool.address, nbytes)
         return PoolEndpoint(self.name, self._agent.get_agent_metadata(), pool.address, nbytes)
 
-    def read(self, remote: PoolEndpoint, pieces: np.ndarray) -> NixlRead:
+    def read(self, remote: PoolEndpoint, pieces: np.ndarray, local_mem_type: str = MEM_TYPE, local_device: int = 0) -> NixlRead:
         """Start one READ of `pieces`, an (n, 3) array of (offset in the remote segment,
-        local address, bytes). Raises if it cannot start (the peer is gone, a piece lies
-        outside what either side registered)."""
+        local address, bytes), into registered memory of `local_mem_type` (see register).
+        Raises if it cannot start (the peer is gone, a piece lies outside what either side
+        registered)."""
         peer = self._connect(remote)
         zeros = np.zeros(len(pieces), dtype=np.int64)
-        local = np.stack([pieces[:, 1], pieces[:, 2], zeros], axis=1)
+        local = np.stack([pieces[:, 1], pieces[:, 2], np.full(len(pieces), local_device, dtype=np.int64)], axis=1)
         far = np.stack([remote.address + pieces[:, 0], pieces[:, 2], zeros], axis=1)
         handle = self._agent.initialize_xfer(
             "READ",
-            self._agent.get_xfer_descs(local, MEM_TYPE),
+            self._agent.get_xfer_descs(local, local_mem_type),
             self._agent.get_xfer_descs(far, MEM_TYPE),
             peer,
         )

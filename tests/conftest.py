@@ -1,13 +1,18 @@
-"""Fixtures shared by the Ray-backed suites (tests/ray, tests/vllm)."""
+"""Fixtures shared by the Ray-backed suites (tests/ray, tests/vllm).
+
+Ray is imported by the fixtures that start it, so that the suites that need no Ray collect
+where there is none (tests/gpu on a GPU machine).
+"""
 
 import pytest
-import ray
-
-from ray_actors.directory import RAY_NAMESPACE
 
 
 def kill_named_actors() -> None:
     """Kill distkv's detached actors, which would otherwise outlive the test module that made them."""
+    import ray
+
+    from ray_actors.directory import RAY_NAMESPACE
+
     for actor in ray.util.list_named_actors(all_namespaces=True):
         if actor["namespace"] == RAY_NAMESPACE:
             try:
@@ -19,6 +24,10 @@ def kill_named_actors() -> None:
 @pytest.fixture(scope="module")
 def ray_session():
     """One local Ray for the test module, torn down with its actors after it."""
+    import ray
+
+    from ray_actors.directory import RAY_NAMESPACE
+
     ray.init(
         address="local",
         num_cpus=2,
@@ -37,6 +46,10 @@ def ray_session():
 def ray_with_dashboard():
     """As ray_session, with Ray's dashboard (on a free port: its URL is in the context
     yielded) and metrics reported to the node's metrics agent every second."""
+    import ray
+
+    from ray_actors.directory import RAY_NAMESPACE
+
     context = ray.init(
         address="local",
         num_cpus=2,
