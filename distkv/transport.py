@@ -320,10 +320,16 @@ class NixlTransport(Transport):
         self.agent = agent
         self.endpoint = agent.endpoint(pool)
         self.scratch = _Scratch(agent, scratch_slots)
+        self._agent_of: dict[str, str] = {}  # holder replica -> the NIXL agent it was last read through
 
     def start(self, holder: ReplicaInfo, reads: Sequence[RowRead], wake: Callable[[], None]) -> Transfer:
         if holder.endpoint is None:
             raise ValueError(f"replica {holder.replica_id} registered no NIXL endpoint")
+        previous = self._agent_of.get(holder.replica_id)
+        if previous != holder.endpoint.agent_name:
+            if previous is not None:  # the holder restarted: its old agent is gone
+                self.agent.forget(previous)
+            self._agent_of[holder.replica_id] = holder.endpoint.agent_name
         scratch = self.scratch.take(len(reads) * holder.num_ranks)
         if scratch is None:
             raise RuntimeError("NIXL scratch exhausted: too many slots in flight")

@@ -108,6 +108,43 @@ def test_replica_sigkilled_mid_store_and_restarted(cluster, make_workload, long_
     w.check(out)
 
 
+def test_holder_sigkilled_during_nixl_reads(cluster, make_workload, long_run):
+    """Replicas on two other nodes read a's rows one-sidedly while a is SIGKILLed and
+    restarted under its name: reads from the dead process fail into misses, the restarted
+    one (a new NIXL agent) is connected afresh, and nothing is left held."""
+    _, (n1, n2, n3) = cluster
+    d = durations(long_run)
+    w = make_workload(transport="nixl")
+    w.start([("a", n1), ("c", n2), ("d", n3)])
+    baseline, threads = steady(w, d["baseline"])
+
+    def by_nixl() -> int:
+        stats = ray.get([w.actors[n].stats.remote() for n in ("c", "d")], timeout=30)
+        return sum(s["promotions"]["transports"].get("nixl", {}).get("blocks", 0) for s in stats)
+
+    before = by_nixl()
+    assert before > 0, "no block came by NIXL before the fault"
+    fault_start = time.time()
+    for _ in range(max(1, d["repeat"] // 3)):
+        pid = ray.get(w.actors["a"].pid.remote(), timeout=30)
+        w.run(0.3)  # c and d are mid-request, reading a's rows
+        w.expect_death("a")
+        sigkill(pid)
+        w.run(1.0)
+        w.restart("a")
+    fault_end = time.time()
+    w.run_until_recovered(baseline, fault_end)
+    assert by_nixl() > before, "reads by NIXL never resumed after the holder came back"
+    threads.pop("a")
+    out = w.outcome("holder SIGKILLed during NIXL reads, then restarted", fault_start, fault_end, baseline, threads)
+    w.check(out)
+    # once idle: every scratch slot back, and no more peers than live replicas to read from
+    for name in ("c", "d"):
+        state = ray.get(w.actors[name].nixl_state.remote(), timeout=30)
+        assert state["scratch_free"] == state["scratch"], f"{name} holds NIXL scratch after the reads: {state}"
+        assert state["peers"] <= 2, f"{name} keeps peers of dead holders: {state}"
+
+
 def test_directory_killed_repeatedly(cluster, make_workload, long_run):
     _, (n1, n2, _) = cluster
     d = durations(long_run)

@@ -117,6 +117,12 @@ class FaultReplica:
     def stats(self) -> dict[str, Any]:
         return self.replica.manager.stats()
 
+    def nixl_state(self) -> dict[str, int]:
+        """What this replica's NIXL transport holds: peers connected, scratch slots free and in all."""
+        nixl = self.replica.manager.promoter.transport.nixl
+        scratch = nixl.scratch
+        return {"peers": nixl.agent.num_peers, "scratch_free": len(scratch._free), "scratch": len(scratch.buffer)}
+
     def shutdown(self) -> None:
         self.replica.shutdown()
 
