@@ -16,6 +16,7 @@ import logging
 import os
 import secrets
 import sys
+import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,6 +25,8 @@ import numpy as np
 from distkv.pool import HostPool
 
 MEM_TYPE = "DRAM"
+
+logger = logging.getLogger(__name__)
 
 
 class RdmaUnavailable(RuntimeError):
@@ -64,8 +67,9 @@ class PoolEndpoint:
 class NixlRead:
     """One READ in flight; `release` it once it is done or given up."""
 
-    def __init__(self, agent: Any, handle: Any, state: str) -> None:
+    def __init__(self, agent: Any, lock: threading.Lock, handle: Any, state: str) -> None:
         self._agent = agent
+        self._lock = lock
         self._handle = handle
         self._failed = state == "ERR"
 
@@ -74,7 +78,8 @@ class NixlRead:
         if self._failed:
             return "failed"
         try:
-            state = self._agent.check_xfer_state(self._handle)
+            with self._lock:
+                state = self._agent.check_xfer_state(self._handle)  # also progresses the read
         except Exception:
             self._failed = True
             return "failed"
@@ -91,7 +96,8 @@ class NixlRead:
             return
         handle, self._handle = self._handle, None
         try:
-            self._agent.release_xfer_handle(handle)
+            with self._lock:
+                self._agent.release_xfer_handle(handle)
         except Exception:
             pass
 
@@ -99,74 +105,99 @@ class NixlRead:
 class NixlAgent:
     """This process's NIXL agent: registers memory, reads what peers registered.
 
-    Not thread-safe: one thread (a replica's Promoter) drives it.
+    NIXL's own progress thread polls without pause (a core per agent); UCX needs progress
+    on both sides (the holder's too, for a reader's connection to complete), so a thread
+    of ours progresses the agent every PROGRESS_S instead, and a reader's polling of its
+    reads progresses them. Every call into NIXL takes one lock, so any thread may use it.
     """
+
+    PROGRESS_S = 0.005
 
     def __init__(self, name: str | None = None) -> None:
         api = load_nixl()
         self.name = name or f"distkv-{os.getpid()}-{secrets.token_hex(4)}"
         try:
-            self._agent = api.nixl_agent(self.name, api.nixl_agent_config(backends=["UCX"]))
+            self._agent = api.nixl_agent(self.name, api.nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
         except Exception as e:
             raise RdmaUnavailable(f"NIXL's UCX agent did not start: {e}") from e
+        self._lock = threading.Lock()
         self._registrations: list[Any] = []
         self._peers: dict[str, str] = {}  # agent name -> the name NIXL gave it here
+        self._stop = threading.Event()
+        self._progress = threading.Thread(target=self._progress_loop, name="distkv-nixl-progress", daemon=True)
+        self._progress.start()
+
+    def _progress_loop(self) -> None:
+        while not self._stop.wait(self.PROGRESS_S):
+            try:
+                with self._lock:
+                    self._agent.get_new_notifs()
+            except Exception:
+                logger.debug("NIXL progress failed", exc_info=True)
 
     def register(self, address: int, nbytes: int, mem_type: str = MEM_TYPE, device: int = 0) -> None:
         """Make [address, address + nbytes) of this process readable and writable by reads:
         host memory ("DRAM"), or memory of GPU `device` ("VRAM")."""
-        self._registrations.append(self._agent.register_memory([(address, nbytes, device, "")], mem_type))
+        with self._lock:
+            self._registrations.append(self._agent.register_memory([(address, nbytes, device, "")], mem_type))
 
     def endpoint(self, pool: HostPool) -> PoolEndpoint:
         """Register pool's segment and say where peers read it."""
         nbytes = pool.layout.total_bytes
         self.register(pool.address, nbytes)
-        return PoolEndpoint(self.name, self._agent.get_agent_metadata(), pool.address, nbytes)
+        with self._lock:
+            metadata = self._agent.get_agent_metadata()
+        return PoolEndpoint(self.name, metadata, pool.address, nbytes)
 
     def read(self, remote: PoolEndpoint, pieces: np.ndarray, local_mem_type: str = MEM_TYPE, local_device: int = 0) -> NixlRead:
         """Start one READ of `pieces`, an (n, 3) array of (offset in the remote segment,
         local address, bytes), into registered memory of `local_mem_type` (see register).
         Raises if it cannot start (the peer is gone, a piece lies outside what either side
         registered)."""
-        peer = self._connect(remote)
         zeros = np.zeros(len(pieces), dtype=np.int64)
         local = np.stack([pieces[:, 1], pieces[:, 2], np.full(len(pieces), local_device, dtype=np.int64)], axis=1)
         far = np.stack([remote.address + pieces[:, 0], pieces[:, 2], zeros], axis=1)
-        handle = self._agent.initialize_xfer(
-            "READ",
-            self._agent.get_xfer_descs(local, local_mem_type),
-            self._agent.get_xfer_descs(far, MEM_TYPE),
-            peer,
-        )
-        try:
-            state = self._agent.transfer(handle)
-        except Exception:
-            self._agent.release_xfer_handle(handle)
-            raise
-        return NixlRead(self._agent, handle, state)
+        with self._lock:
+            peer = self._connect(remote)
+            handle = self._agent.initialize_xfer(
+                "READ",
+                self._agent.get_xfer_descs(local, local_mem_type),
+                self._agent.get_xfer_descs(far, MEM_TYPE),
+                peer,
+            )
+            try:
+                state = self._agent.transfer(handle)
+            except Exception:
+                self._agent.release_xfer_handle(handle)
+                raise
+        return NixlRead(self._agent, self._lock, handle, state)
 
     def forget(self, agent_name: str) -> None:
         """Drop a peer (it restarted or left): the next read from it connects afresh."""
-        peer = self._peers.pop(agent_name, None)
-        if peer is not None:
-            try:
-                self._agent.remove_remote_agent(peer)
-            except Exception:
-                pass
+        with self._lock:
+            peer = self._peers.pop(agent_name, None)
+            if peer is not None:
+                try:
+                    self._agent.remove_remote_agent(peer)
+                except Exception:
+                    pass
 
     @property
     def num_peers(self) -> int:
         return len(self._peers)
 
     def close(self) -> None:
-        """Forget every peer and release every registration."""
+        """Stop progressing, forget every peer and release every registration."""
+        self._stop.set()
+        self._progress.join()
         for agent_name in list(self._peers):
             self.forget(agent_name)
-        while self._registrations:
-            try:
-                self._agent.deregister_memory(self._registrations.pop())
-            except Exception:
-                pass
+        with self._lock:
+            while self._registrations:
+                try:
+                    self._agent.deregister_memory(self._registrations.pop())
+                except Exception:
+                    pass
 
     def _connect(self, remote: PoolEndpoint) -> str:
         peer = self._peers.get(remote.agent_name)
