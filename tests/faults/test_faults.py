@@ -135,14 +135,14 @@ def test_holder_sigkilled_during_nixl_reads(cluster, make_workload, long_run):
     fault_end = time.time()
     w.run_until_recovered(baseline, fault_end)
     assert by_nixl() > before, "reads by NIXL never resumed after the holder came back"
-    threads.pop("a")
-    out = w.outcome("holder SIGKILLed during NIXL reads, then restarted", fault_start, fault_end, baseline, threads)
-    w.check(out)
     # once idle: every scratch slot back, and no more peers than live replicas to read from
     for name in ("c", "d"):
         state = ray.get(w.actors[name].nixl_state.remote(), timeout=30)
         assert state["scratch_free"] == state["scratch"], f"{name} holds NIXL scratch after the reads: {state}"
         assert state["peers"] <= 2, f"{name} keeps peers of dead holders: {state}"
+    threads.pop("a")
+    out = w.outcome("holder SIGKILLed during NIXL reads, then restarted", fault_start, fault_end, baseline, threads)
+    w.check(out)
 
 
 def test_directory_killed_repeatedly(cluster, make_workload, long_run):
