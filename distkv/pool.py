@@ -28,7 +28,6 @@ import fcntl
 import logging
 import mmap
 import os
-import struct
 import re
 import struct
 import threading
