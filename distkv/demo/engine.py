@@ -22,9 +22,11 @@ from distkv.cluster import ClusterOffloadingManager
 from distkv.demo.model import ModelConfig, PagedKV, TinyDecoder, prefill
 from distkv.harness import Prefill, Replica, block_keys
 from distkv.spec import RayOffloadingSpec
+from distkv.transport import NixlTransport, ObjectStoreTransport
 
 SOURCES = ("local", "same_node", "cross_node")
-TRANSPORTS = ("nixl", "object_store")
+# the transports that move blocks between nodes (the `transport` setting also has "auto")
+BLOCK_TRANSPORTS = (NixlTransport.name, ObjectStoreTransport.name)
 
 
 def pick_device() -> str:
@@ -128,7 +130,7 @@ class ModelReplica:
             "cross_node_bytes": promoter.bytes_cross_node,
             "cross_node_s": promoter.seconds_cross_node,
         }
-        for transport in TRANSPORTS:
+        for transport in BLOCK_TRANSPORTS:
             _, nbytes, seconds = promoter.transported.get(transport, (0, 0, 0.0))
             stats[f"{transport}_bytes"], stats[f"{transport}_s"] = nbytes, seconds
         return stats

@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from distkv.demo.engine import SOURCES, TRANSPORTS
+from distkv.demo.engine import BLOCK_TRANSPORTS, SOURCES
 
 PATH_ROWS = (
     ("local_load", "local load"),
@@ -132,7 +132,7 @@ class Tally:
         }
         by_transport = {
             t: _transfer(promotions[f"{t}_bytes"] // self.block_bytes, promotions[f"{t}_bytes"], promotions[f"{t}_s"])
-            for t in TRANSPORTS
+            for t in BLOCK_TRANSPORTS
         }
         tokens = {source: blocks * self.block_tokens for source, blocks in self.hit_blocks.items()}
         tokens["recomputed"] = self.prompt_tokens - self.hit_tokens
@@ -238,7 +238,7 @@ def format_table(s: Mapping[str, Any]) -> str:
         )
     lines += ["", f"  {'bytes moved':<22}{'blocks':>12}{'MiB':>12}{'GB/s':>10}   (GB/s over the transfers' own time)"]
     rows = [(label, s["transfers"][path]) for path, label in PATH_ROWS]
-    rows += [(f"  by {t}", s["transfers_by_transport"][t]) for t in TRANSPORTS]
+    rows += [(f"  by {t}", s["transfers_by_transport"][t]) for t in BLOCK_TRANSPORTS]
     for label, x in rows:
         lines.append(f"    {label:<20}{x['blocks']:>12,}{x['bytes'] / 2**20:>12.1f}{x['gb_per_s']:>10.2f}")
     lines += [
