@@ -70,16 +70,9 @@ class Promoter:
     `namespace` are read.
     """
 
-    # A transfer from another node moves at most this many bytes (one row at least), so
-    # that successive transfers overlap their steps (for the object store: the holder's
-    # copy into it, the transfer, the checked copy here) instead of running one after the
-    # other; each transfer has a cost of its own too (docs/benchmarks.md).
-    FETCH_BYTES = 64 << 20
     # The thread wakes when a promotion is submitted or a transfer says it completed, and
-    # at least this often to fail the promotions past their deadline ...
+    # at least this often to fail the promotions past their deadline.
     IDLE_WAIT_S = 0.05
-    # ... or this often while transfers that say nothing (NIXL reads) are in flight.
-    POLL_S = 0.0002
 
     def __init__(
         self,
@@ -155,12 +148,10 @@ class Promoter:
     def _take_batch(self) -> list[Promotion] | None:
         """Everything submitted so far, once something was submitted or a fetch completed.
 
-        Waits at most IDLE_WAIT_S (POLL_S while a transfer must be polled), so that
-        timeouts are noticed that soon."""
+        Waits at most IDLE_WAIT_S, so that timeouts are noticed that soon."""
         batch: list[Promotion] = []
-        polled = any(flight.transfer.polled for flight in self._in_flight)
         try:
-            item = self._submitted.get(timeout=self.POLL_S if polled else self.IDLE_WAIT_S)
+            item = self._submitted.get(timeout=self.IDLE_WAIT_S)
             while True:
                 if item is None:
                     return None
@@ -188,7 +179,7 @@ class Promoter:
                     self._copy_same_node(info, promotions)
                     continue
                 row_bytes = info.num_ranks * info.slot_bytes
-                step = max(self.FETCH_BYTES // row_bytes, 1)
+                step = max(self.transport.batch_bytes(info) // row_bytes, 1)
                 # in the holder's row order: a prefix stored together then asks for runs of
                 # consecutive rows, which the holder copies out without gathering them first
                 promotions.sort(key=lambda p: self._held_row(p, info).row)

@@ -17,6 +17,8 @@ import os
 import secrets
 import sys
 import threading
+from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -204,3 +206,125 @@ class NixlAgent:
         if peer is None:
             peer = self._peers[remote.agent_name] = self._agent.add_remote_agent(remote.agent_metadata)
         return peer
+
+
+class QueuedRead:
+    """READs handed to a `ReadQueue` as one: queued, being posted, in flight, or over."""
+
+    QUEUED, POSTING, IN_FLIGHT, OVER = range(4)
+
+    def __init__(self, remote: PoolEndpoint, steps: list[np.ndarray], then: Callable[[bool], None]) -> None:
+        self.remote = remote
+        self.steps = steps
+        self.then = then
+        self.step = 0  # the READ of steps[step] is the one queued, posted or in flight
+        self.state = self.QUEUED
+        self.read: NixlRead | None = None
+
+
+class ReadQueue:
+    """Posts an agent's READs one after another on a thread of its own and polls them to
+    completion.
+
+    Over CMA or shared memory (one host, no RDMA NIC) UCX moves a READ's bytes inside the
+    call that posts it, so posting here leaves the submitting thread free meanwhile: the
+    Promoter checks what already landed while the next READ is being read. Over a NIC a
+    post returns at once and the thread polls the READs in flight every POLL_S.
+    """
+
+    POLL_S = 0.0002
+
+    def __init__(self, agent: NixlAgent) -> None:
+        self._agent = agent
+        # re-entrant: a `then` runs holding it and may submit
+        self._cond = threading.Condition(threading.RLock())
+        self._queued: deque[QueuedRead] = deque()
+        self._in_flight: list[QueuedRead] = []
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="distkv-nixl-reads", daemon=True)
+        self._thread.start()
+
+    def submit(self, remote: PoolEndpoint, steps: list[np.ndarray], then: Callable[[bool], None]) -> QueuedRead:
+        """Queue READs of `steps` (each as `NixlAgent.read`'s pieces), each posted once the
+        one before has completed. `then(ok)` runs once, on the queue's thread, unless the
+        reads are cancelled first: ok is True when every READ completed, False as soon as
+        one could not start or failed. Raises once the queue is closed."""
+        queued = QueuedRead(remote, steps, then)
+        with self._cond:
+            if self._closed:
+                raise RuntimeError("the NIXL read queue is closed")
+            self._queued.append(queued)
+            self._cond.notify_all()
+        return queued
+
+    def cancel(self, queued: QueuedRead) -> None:
+        """Once this returns, no byte of `queued` lands any more and its `then` does not
+        run: a READ being posted is waited for and released, one in flight is released
+        (aborted). Never raises; cancelling twice or after it ended is fine."""
+        with self._cond:
+            while queued.state == QueuedRead.POSTING:
+                self._cond.wait()
+            if queued.state == QueuedRead.QUEUED:
+                self._queued.remove(queued)
+            elif queued.state == QueuedRead.IN_FLIGHT:
+                self._in_flight.remove(queued)
+                queued.read.release()
+            queued.state = QueuedRead.OVER
+
+    def close(self) -> None:
+        """Cancel every READ not yet over and stop the thread."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        self._thread.join()
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not (self._queued or self._in_flight or self._closed):
+                    self._cond.wait()
+                if self._closed:
+                    for queued in [*self._queued, *self._in_flight]:
+                        self.cancel(queued)
+                    return
+                posting = self._queued.popleft() if self._queued else None
+                if posting is not None:
+                    posting.state = QueuedRead.POSTING
+                else:
+                    self._cond.wait(self.POLL_S)
+            if posting is not None:
+                self._post(posting)
+            with self._cond:
+                for queued in list(self._in_flight):
+                    state = queued.read.state()
+                    if state != "pending":
+                        self._in_flight.remove(queued)
+                        queued.read.release()
+                        queued.read = None
+                        self._ended(queued, state == "done")
+
+    def _post(self, queued: QueuedRead) -> None:
+        """Post queued's next READ, outside the condition: others queue meanwhile."""
+        try:
+            read = self._agent.read(queued.remote, queued.steps[queued.step])
+        except Exception:
+            logger.debug("a NIXL read from %s could not start", queued.remote.agent_name, exc_info=True)
+            read = None
+        with self._cond:
+            self._cond.notify_all()  # a cancel waiting for the post
+            if read is None:
+                self._ended(queued, False)
+            else:
+                queued.read = read
+                queued.state = QueuedRead.IN_FLIGHT
+                self._in_flight.append(queued)
+
+    def _ended(self, queued: QueuedRead, ok: bool) -> None:
+        """queued's READ ended: post the next step first, or say how all went."""
+        if ok and queued.step + 1 < len(queued.steps):
+            queued.step += 1
+            queued.state = QueuedRead.QUEUED
+            self._queued.appendleft(queued)
+            return
+        queued.state = QueuedRead.OVER
+        queued.then(ok)

@@ -28,7 +28,7 @@ import numpy as np
 from distkv.abstract import OffloadKey
 from distkv.directory import ReplicaInfo
 from distkv.pool import HEADER_BYTES, HostPool, PoolLayout, Sealed, check_landed, copy_checksum
-from distkv.rdma import NixlAgent, NixlRead, PoolEndpoint
+from distkv.rdma import NixlAgent, PoolEndpoint, ReadQueue
 
 # Per read, each rank's header as the holder sealed it; None: not to be used.
 Landed = list[list[Sealed] | None]
@@ -47,8 +47,6 @@ class RowRead:
 class Transfer(ABC):
     """The reads of one `Transport.start`, in flight."""
 
-    # True: `done` must be polled, nothing calls `wake` (NIXL has no completion callback)
-    polled = False
     # the name of the Transport that started it
     transport = ""
 
@@ -71,6 +69,15 @@ class Transport(ABC):
     """Moves blocks from a holder on another node into this replica's pool."""
 
     name: str
+    # The most bytes one transfer carries (one row at least): the Promoter splits bigger
+    # promotions, so that successive transfers overlap their steps (for the object store:
+    # the holder's copy into it, the transfer, the checked copy here) instead of running
+    # one after the other; each transfer has a cost of its own too (docs/benchmarks.md).
+    BATCH_BYTES = 64 << 20
+
+    def batch_bytes(self, holder: ReplicaInfo) -> int:
+        """The most bytes one transfer from `holder` should carry."""
+        return self.BATCH_BYTES
 
     @abstractmethod
     def start(self, holder: ReplicaInfo, reads: Sequence[RowRead], wake: Callable[[], None]) -> Transfer:
@@ -221,13 +228,15 @@ class _NixlReads(Transfer):
     """A READ of the slots (straight into the local rows) and their headers (into the
     scratch), then, once it is done, a READ of the generations: `pool.check_landed`."""
 
-    polled = True
     transport = "nixl"
 
-    def __init__(self, transport: NixlTransport, holder: ReplicaInfo, reads: Sequence[RowRead], scratch: list[int]) -> None:
+    def __init__(
+        self, transport: NixlTransport, holder: ReplicaInfo, reads: Sequence[RowRead], scratch: list[int], wake: Callable[[], None]
+    ) -> None:
         self._transport = transport
         self._reads = reads
         self._scratch = scratch
+        self._wake = wake
         layout = PoolLayout(holder.num_rows, holder.num_ranks, holder.slot_bytes)
         local = transport.pool
         base = transport.scratch.buffer.ctypes.data
@@ -240,38 +249,24 @@ class _NixlReads(Transfer):
                 slots.append((remote_header, header, HEADER_BYTES))
                 generations.append((remote_header, header + HEADER_BYTES, 8))
         self._num_ranks = layout.num_ranks
-        self._generations = np.array(generations, dtype=np.int64)
         self._endpoint = holder.endpoint
-        self._read: NixlRead | None = transport.agent.read(holder.endpoint, np.array(slots, dtype=np.int64))
-        self._second = False
+        self._over = False  # set on the queue's thread, read on the Promoter's
         self._failed = False
+        self._queued = transport.reads.submit(
+            holder.endpoint, [np.array(slots, dtype=np.int64), np.array(generations, dtype=np.int64)], self._ended
+        )
+
+    def _ended(self, ok: bool) -> None:
+        if not ok:
+            # the peer is gone or restarted, so the next read connects afresh (a restarted
+            # holder has a new agent, and its new endpoint a new name)
+            self._failed = True
+            self._transport.agent.forget(self._endpoint.agent_name)
+        self._over = True
+        self._wake()
 
     def done(self) -> bool:
-        if self._read is None:
-            return True
-        state = self._read.state()
-        if state == "pending":
-            return False
-        self._read.release()
-        self._read = None
-        if state == "failed":
-            self._fail()
-            return True
-        if self._second:
-            return True
-        self._second = True
-        try:
-            self._read = self._transport.agent.read(self._endpoint, self._generations)
-        except Exception:
-            self._fail()
-            return True
-        return False
-
-    def _fail(self) -> None:
-        """A read failed: the peer is gone or restarted, so the next read connects afresh
-        (a restarted holder has a new agent, and its new endpoint a new name)."""
-        self._failed = True
-        self._transport.agent.forget(self._endpoint.agent_name)
+        return self._over
 
     def finish(self) -> Landed:
         try:
@@ -296,13 +291,16 @@ class _NixlReads(Transfer):
                 landed.append(None if None in metas else metas)
             return landed
         finally:
-            self._transport.scratch.give_back(self._scratch)
+            self._give_back_scratch()
 
     def cancel(self) -> None:
-        if self._read is not None:
-            self._read.release()
-            self._read = None
-        self._transport.scratch.give_back(self._scratch)
+        self._transport.reads.cancel(self._queued)
+        self._give_back_scratch()
+
+    def _give_back_scratch(self) -> None:
+        """Once only: a transfer cancelled after it finished must not hand its slots out twice."""
+        scratch, self._scratch = self._scratch, []
+        self._transport.scratch.give_back(scratch)
 
 
 class NixlTransport(Transport):
@@ -314,12 +312,16 @@ class NixlTransport(Transport):
     """
 
     name = "nixl"
+    # smaller: a READ's one step here is the check of what landed, which is all that runs
+    # after the last READ completes
+    BATCH_BYTES = 16 << 20
 
     def __init__(self, pool: HostPool, agent: NixlAgent, scratch_slots: int = 4096) -> None:
         self.pool = pool
         self.agent = agent
         self.endpoint = agent.endpoint(pool)
         self.scratch = _Scratch(agent, scratch_slots)
+        self.reads = ReadQueue(agent)
         self._agent_of: dict[str, str] = {}  # holder replica -> the NIXL agent it was last read through
 
     def start(self, holder: ReplicaInfo, reads: Sequence[RowRead], wake: Callable[[], None]) -> Transfer:
@@ -334,13 +336,14 @@ class NixlTransport(Transport):
         if scratch is None:
             raise RuntimeError("NIXL scratch exhausted: too many slots in flight")
         try:
-            return _NixlReads(self, holder, reads, scratch)
+            return _NixlReads(self, holder, reads, scratch, wake)
         except BaseException:
             self.scratch.give_back(scratch)
             self.agent.forget(holder.endpoint.agent_name)
             raise
 
     def close(self) -> None:
+        self.reads.close()
         self.agent.close()
 
 
@@ -357,7 +360,6 @@ class _Timed(Transfer):
         self._nbytes = nbytes
         self._started = time.perf_counter()
         self._ended: float | None = None
-        self.polled = inner.polled
         self.transport = inner.transport
 
     def done(self) -> bool:
@@ -437,6 +439,9 @@ class NodeTransports(Transport):
             return transfer
         self._measuring.add((holder.node_id, measure.name))
         return _Timed(transfer, self, holder.node_id, len(reads) * holder.num_ranks * holder.slot_bytes)
+
+    def batch_bytes(self, holder: ReplicaInfo) -> int:
+        return self.chosen(holder).batch_bytes(holder)
 
     def close(self) -> None:
         self._object_store.close()

@@ -132,9 +132,9 @@ def test_prefix_stored_on_a_is_loaded_bit_exact_by_b(replicas, node_b):
 
 def test_a_promoted_prefix_is_fetched_as_runs_of_the_holders_rows(replicas, monkeypatch):
     # A stores a prefix in one batch, whatever rows its manager hands out; B asks A's
-    # node for them in A's row order, at most FETCH_BYTES per fetch, so that each fetch
+    # node for them in A's row order, at most BATCH_BYTES per fetch, so that each fetch
     # is one slice of A's pool
-    monkeypatch.setattr(Promoter, "FETCH_BYTES", 8 * BLOCK_BYTES)
+    monkeypatch.setattr(ObjectStoreTransport, "BATCH_BYTES", 8 * BLOCK_BYTES)
     directory = FakeDirectory()
     fetch = PoolFetch()
     a = replicas(directory, "node-1")
