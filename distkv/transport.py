@@ -81,6 +81,10 @@ class Transport(ABC):
         """Per holder node, the rate (bytes/s) measured for each transport; {} if it measures none."""
         return {}
 
+    def forget_gone(self, replica_info: Callable[[str], ReplicaInfo | None]) -> None:
+        """Release what is kept for holders that left (replica_info says None) or came
+        back as another registration; the next read of one starts afresh."""
+
     def close(self) -> None:
         """Release what the transport holds."""
 
@@ -340,6 +344,13 @@ class NixlTransport(Transport):
             self.agent.forget(holder.endpoint.agent_name)
             raise
 
+    def forget_gone(self, replica_info: Callable[[str], ReplicaInfo | None]) -> None:
+        for replica_id, agent_name in list(self._agent_of.items()):
+            info = replica_info(replica_id)
+            if info is None or info.endpoint is None or info.endpoint.agent_name != agent_name:
+                del self._agent_of[replica_id]
+                self.agent.forget(agent_name)
+
     def close(self) -> None:
         self.agent.close()
 
@@ -437,6 +448,10 @@ class NodeTransports(Transport):
             return transfer
         self._measuring.add((holder.node_id, measure.name))
         return _Timed(transfer, self, holder.node_id, len(reads) * holder.num_ranks * holder.slot_bytes)
+
+    def forget_gone(self, replica_info: Callable[[str], ReplicaInfo | None]) -> None:
+        if self._nixl is not None:
+            self._nixl.forget_gone(replica_info)
 
     def close(self) -> None:
         self._object_store.close()

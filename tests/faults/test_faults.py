@@ -167,7 +167,7 @@ def test_holder_pool_closed_during_nixl_reads(cluster, make_workload, long_run):
     """a shuts down (its pool closed and its agent gone, its process alive) while c and d
     read its rows one-sidedly with its descriptors cached, then comes back under its name:
     reads of the closed pool fail into misses within the timeout, the new pool is read
-    afresh, and nothing is left held."""
+    afresh, and nothing is left held; once a leaves for good, c and d forget its agent."""
     _, (n1, n2, n3) = cluster
     d = durations(long_run)
     w = make_workload(transport="nixl")
@@ -189,6 +189,13 @@ def test_holder_pool_closed_during_nixl_reads(cluster, make_workload, long_run):
     assert after["nixl"] > before["nixl"], f"reads by NIXL never resumed after the holder came back: {after}"
     assert after.get("object_store", 0) == 0, f"transport nixl read through the object store: {after}"
     assert_nixl_idle(w, ("c", "d"), max_peers=2)
+    # a leaves for good: once the Directory no longer lists it, c and d let its agent go
+    w.expect_death("a")
+    ray.get(w.actors["a"].shutdown.remote(), timeout=60)
+    wait_until(
+        lambda: all(ray.get(w.actors[n].nixl_state.remote(), timeout=30)["peers"] <= 1 for n in ("c", "d")),
+        10, "c and d forget the NIXL agent of a holder that left",
+    )
     threads.pop("a")
     out = w.outcome("holder's pool closed (replica shut down) during NIXL reads, then restarted",
                     fault_start, fault_end, baseline, threads)

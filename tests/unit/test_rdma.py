@@ -406,3 +406,41 @@ def test_a_row_rewritten_at_any_step_of_a_nixl_read_lands_exact_or_misses(one_si
     else:
         assert first < STEPS.index("read 1 done"), "a rewrite after every READ landed spoiled the copy"
     assert len(transport.scratch._free) == 8 and transport.agent.num_peers == 1  # nothing held
+
+
+def test_a_holder_that_left_is_forgotten_even_with_a_read_in_flight(holder):
+    """forget_gone (the Promoter's periodic sweep): a holder still registered is kept; one
+    the Directory no longer lists is dropped, a read of it in flight ends without hanging
+    and gives its scratch back, and the next read of it connects afresh."""
+    _, _, endpoint = holder
+    local = HostPool(segment_name("t" + uuid.uuid4().hex[:8], "requester"), LAYOUT)
+    transport = NixlTransport(local, NixlAgent(), scratch_slots=8)
+    info = ReplicaInfo("holder", "node-a", "distkv-x-holder", LAYOUT.num_rows, LAYOUT.num_ranks, LAYOUT.slot_bytes,
+                       endpoint=endpoint)
+
+    def land(transfer):
+        deadline = time.monotonic() + 60
+        while not transfer.done():
+            assert time.monotonic() < deadline, "a read of a forgotten holder hangs"
+            time.sleep(0)
+        try:
+            return transfer.finish()
+        except Exception:
+            return None
+
+    try:
+        assert land(transport.start(info, [RowRead(KEY, 3, 7, 5)], lambda: None))[0] is not None
+        transport.forget_gone(lambda replica_id: info)
+        assert transport.agent.num_peers == 1
+        in_flight = transport.start(info, [RowRead(KEY, 3, 7, 6)], lambda: None)
+        transport.forget_gone(lambda replica_id: None)
+        assert transport.agent.num_peers == 0
+        landed = land(in_flight)
+        if landed is not None and landed[0] is not None:
+            np.testing.assert_array_equal(local.payload[1, 6], payload_of(3, 1, 0))
+        assert len(transport.scratch._free) == 8
+        assert land(transport.start(info, [RowRead(KEY, 3, 7, 5)], lambda: None))[0] is not None
+        assert transport.agent.num_peers == 1
+    finally:
+        transport.close()
+        local.close()
