@@ -73,6 +73,8 @@ class Promoter:
     # The thread wakes when a promotion is submitted or a transfer says it completed, and
     # at least this often to fail the promotions past their deadline.
     IDLE_WAIT_S = 0.05
+    # The transport releases what it keeps for holders that left this often.
+    FORGET_GONE_S = 1.0
 
     def __init__(
         self,
@@ -109,6 +111,7 @@ class Promoter:
         # (path, seconds from submission) of successful promotions, for the metrics exporter
         self.latencies: deque[tuple[str, float]] = deque(maxlen=MAX_OBSERVATIONS)
         self.errors = ErrorLog()
+        self._forget_gone_at = 0.0
         self._thread = threading.Thread(target=self._run, name="distkv-promoter", daemon=True)
         self._thread.start()
 
@@ -144,6 +147,10 @@ class Promoter:
             if batch:
                 self._start(batch)
             self._collect()
+            if time.monotonic() >= self._forget_gone_at:
+                self._forget_gone_at = time.monotonic() + self.FORGET_GONE_S
+                with self._failing([], None, "while forgetting holders that left"):
+                    self.transport.forget_gone(self._replica_info)
 
     def _take_batch(self) -> list[Promotion] | None:
         """Everything submitted so far, once something was submitted or a fetch completed.

@@ -121,7 +121,9 @@ class NixlAgent:
         try:
             self._agent = api.nixl_agent(self.name, api.nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
         except Exception as e:
-            raise RdmaUnavailable(f"NIXL's UCX agent did not start: {e}") from e
+            raise RdmaUnavailable(
+                f"NIXL's UCX agent did not start ({e}): check UCX on this host, or set 'transport' to 'object_store'"
+            ) from e
         self._lock = threading.Lock()
         self._registrations: list[Any] = []
         self._peers: dict[str, str] = {}  # agent name -> the name NIXL gave it here

@@ -88,6 +88,10 @@ class Transport(ABC):
         """Per holder node, the rate (bytes/s) measured for each transport; {} if it measures none."""
         return {}
 
+    def forget_gone(self, replica_info: Callable[[str], ReplicaInfo | None]) -> None:
+        """Release what is kept for holders that left (replica_info says None) or came
+        back as another registration; the next read of one starts afresh."""
+
     def close(self) -> None:
         """Release what the transport holds."""
 
@@ -342,6 +346,13 @@ class NixlTransport(Transport):
             self.agent.forget(holder.endpoint.agent_name)
             raise
 
+    def forget_gone(self, replica_info: Callable[[str], ReplicaInfo | None]) -> None:
+        for replica_id, agent_name in list(self._agent_of.items()):
+            info = replica_info(replica_id)
+            if info is None or info.endpoint is None or info.endpoint.agent_name != agent_name:
+                del self._agent_of[replica_id]
+                self.agent.forget(agent_name)
+
     def close(self) -> None:
         self.reads.close()
         self.agent.close()
@@ -442,6 +453,10 @@ class NodeTransports(Transport):
 
     def batch_bytes(self, holder: ReplicaInfo) -> int:
         return self.chosen(holder).batch_bytes(holder)
+
+    def forget_gone(self, replica_info: Callable[[str], ReplicaInfo | None]) -> None:
+        if self._nixl is not None:
+            self._nixl.forget_gone(replica_info)
 
     def close(self) -> None:
         self._object_store.close()

@@ -360,6 +360,19 @@ class Soak:
             self._interval.clear()
             self.samples.append(Sample(time.monotonic() - self.started, dict(series)))
 
+    def transported(self) -> dict[str, str]:
+        """MiB each transport moved across nodes, summed over the live replicas (a restarted
+        replica counts from its restart)."""
+        live = [a for n, a in self.replicas.items() if n not in self.starting]
+        try:
+            stats = ray.get([a.stats.remote() for a in live], timeout=60)
+        except ray.exceptions.RayError as e:
+            return {"unknown": repr(e)[:200]}
+        moved = collections.Counter()
+        for s in stats:
+            moved.update({k[: -len("_bytes")]: v for k, v in s.items() if k.endswith("_bytes") and "node" not in k})
+        return {transport: f"{nbytes / MiB:.1f} MiB" for transport, nbytes in sorted(moved.items())}
+
     # ---- the whole run ---------------------------------------------------------------
 
     def run(self) -> int:
@@ -424,6 +437,7 @@ class Soak:
               f"blocks verified {self.counts['blocks_verified']}, unverifiable {self.counts['blocks_unverifiable']}, "
               f"mismatches {self.counts['mismatches']}, load failures {self.counts['load_failures']}")
         print(f"faults injected: {dict(total_faults)}")
+        print(f"cross-node promotions by transport (transport {self.extra.get('transport', 'auto')!r}): {self.transported()}")
         flat = all(v is not False for v in verdicts.values()) and any(v for v in verdicts.values())
         print(f"VERDICT: {'flat after warm-up' if flat else 'NOT flat after warm-up'}; "
               f"{'no' if not self.counts['mismatches'] else self.counts['mismatches']} mismatched block(s)")

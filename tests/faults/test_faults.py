@@ -145,6 +145,97 @@ def test_holder_sigkilled_during_nixl_reads(cluster, make_workload, long_run):
     w.check(out)
 
 
+def nixl_blocks(w: Workload, names: tuple[str, ...]) -> dict[str, int]:
+    """Blocks the replicas `names` promoted so far, by transport."""
+    stats = ray.get([w.actors[n].stats.remote() for n in names], timeout=30)
+    moved: dict[str, int] = {}
+    for s in stats:
+        for transport, counts in s["promotions"]["transports"].items():
+            moved[transport] = moved.get(transport, 0) + counts.get("blocks", 0)
+    return moved
+
+
+def assert_nixl_idle(w: Workload, names: tuple[str, ...], max_peers: int) -> None:
+    """Once idle: every scratch slot back, and no more peers than live replicas to read from."""
+    for name in names:
+        state = ray.get(w.actors[name].nixl_state.remote(), timeout=30)
+        assert state["scratch_free"] == state["scratch"], f"{name} holds NIXL scratch after the reads: {state}"
+        assert state["peers"] <= max_peers, f"{name} keeps peers of gone holders: {state}"
+
+
+def test_holder_pool_closed_during_nixl_reads(cluster, make_workload, long_run):
+    """a shuts down (its pool closed and its agent gone, its process alive) while c and d
+    read its rows one-sidedly with its descriptors cached, then comes back under its name:
+    reads of the closed pool fail into misses within the timeout, the new pool is read
+    afresh, and nothing is left held; once a leaves for good, c and d forget its agent."""
+    _, (n1, n2, n3) = cluster
+    d = durations(long_run)
+    w = make_workload(transport="nixl")
+    w.start([("a", n1), ("c", n2), ("d", n3)])
+    baseline, threads = steady(w, d["baseline"])
+    before = nixl_blocks(w, ("c", "d"))
+    assert before.get("nixl", 0) > 0, f"no block came by NIXL before the fault: {before}"
+    fault_start = time.time()
+    for _ in range(max(1, d["repeat"] // 3)):
+        w.expect_death("a")
+        closing = w.actors["a"].shutdown.remote()  # once its request in flight is served
+        w.run(1.0)  # c and d keep reading a's rows, through the descriptors they cached
+        ray.get(closing, timeout=60)
+        ray.kill(w.actors["a"])
+        w.restart("a")
+    fault_end = time.time()
+    w.run_until_recovered(baseline, fault_end)
+    after = nixl_blocks(w, ("c", "d"))
+    assert after["nixl"] > before["nixl"], f"reads by NIXL never resumed after the holder came back: {after}"
+    assert after.get("object_store", 0) == 0, f"transport nixl read through the object store: {after}"
+    assert_nixl_idle(w, ("c", "d"), max_peers=2)
+    # a leaves for good: once the Directory no longer lists it, c and d let its agent go
+    w.expect_death("a")
+    ray.get(w.actors["a"].shutdown.remote(), timeout=60)
+    wait_until(
+        lambda: all(ray.get(w.actors[n].nixl_state.remote(), timeout=30)["peers"] <= 1 for n in ("c", "d")),
+        10, "c and d forget the NIXL agent of a holder that left",
+    )
+    threads.pop("a")
+    out = w.outcome("holder's pool closed (replica shut down) during NIXL reads, then restarted",
+                    fault_start, fault_end, baseline, threads)
+    w.check(out)
+
+
+def test_node_agent_killed_during_nixl_reads(cluster, make_workload, long_run):
+    """The NodeAgents of every node are SIGKILLed in turn while replicas read each other by
+    NIXL: a replica registers its own pool (docs/architecture.md), so nothing is
+    re-registered or re-handshaken, and the reads go on through the restarts."""
+    _, (n1, n2, n3) = cluster
+    d = durations(long_run)
+    w = make_workload(transport="nixl")
+    w.start([("a", n1), ("c", n2), ("d", n3)])
+    baseline, threads = steady(w, d["baseline"])
+    names = ("a", "c", "d")
+    before = nixl_blocks(w, names)
+    assert before.get("nixl", 0) > 0, f"no block came by NIXL before the fault: {before}"
+    def failed_reads() -> int:  # a failed NIXL read drops its peer: the next read handshakes again
+        return sum(s["errors"].get("promotion_fetch", 0) for s in ray.get([w.actors[n].stats.remote() for n in names]))
+
+    failed_before = failed_reads()
+    fault_start = time.time()
+    during = before
+    for i in range(d["repeat"]):
+        sigkill(actor_pid(node_agent((n1, n2, n3)[i % 3].node_id)))
+        w.run(1.0)
+        now = nixl_blocks(w, names)
+        assert now["nixl"] > during["nixl"], f"no block came by NIXL while a NodeAgent restarted: {now}"
+        during = now
+    fault_end = time.time()
+    w.run_until_recovered(baseline, fault_end)
+    after = nixl_blocks(w, names)
+    assert after.get("object_store", 0) == 0, f"transport nixl read through the object store: {after}"
+    assert failed_reads() == failed_before, "NIXL reads failed while only NodeAgents restarted"
+    assert_nixl_idle(w, names, max_peers=2)
+    out = w.outcome("NodeAgent SIGKILLed during NIXL reads", fault_start, fault_end, baseline, threads)
+    w.check(out)
+
+
 def test_directory_killed_repeatedly(cluster, make_workload, long_run):
     _, (n1, n2, _) = cluster
     d = durations(long_run)

@@ -7,6 +7,7 @@ node-loss test removes a node, so it runs last.
 import os
 import time
 import uuid
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -38,8 +39,11 @@ def cluster():
 class Replicas:
     """ReplicaActors of one cache namespace, placed on chosen nodes, shut down together."""
 
-    def __init__(self, block_tokens: int = BLOCK_TOKENS, page_bytes: int = PAGE_BYTES, **extra) -> None:
+    def __init__(
+        self, block_tokens: int = BLOCK_TOKENS, page_bytes: int = PAGE_BYTES, runtime_env: dict | None = None, **extra
+    ) -> None:
         self.block_tokens = block_tokens
+        self.runtime_env = runtime_env
         self.page_bytes = page_bytes
         self.config = {"tenant_salt": uuid.uuid4().hex, **extra}
         self.namespace = RayOffloadingSpec.from_layout(
@@ -49,7 +53,7 @@ class Replicas:
 
     def start(self, name: str, node, pool_blocks: int, gpu_blocks: int = 64) -> ray.actor.ActorHandle:
         actor = ReplicaActor.options(
-            scheduling_strategy=NodeAffinitySchedulingStrategy(node.node_id, soft=False)
+            scheduling_strategy=NodeAffinitySchedulingStrategy(node.node_id, soft=False), runtime_env=self.runtime_env
         ).remote(
             name,
             {**self.config, "cpu_bytes_to_use": pool_blocks * 2 * self.page_bytes},
@@ -206,6 +210,47 @@ def test_a_prefix_from_another_node_comes_by_the_transport_configured(cluster, r
     blocks, nbytes, seconds = ray.get(b.transported.remote())[transport]
     assert (blocks, nbytes) == (16, 16 * SLOT_BYTES) and seconds > 0
     assert list(ray.get(b.transported.remote())) == [transport]
+    group.shutdown()
+    assert not group.segments()
+
+
+def worker_log(actor) -> str:
+    """What the actor's process wrote to stderr, as Ray keeps it in the session's logs."""
+    pid = ray.get(actor.__ray_call__.remote(lambda self: os.getpid()), timeout=30)
+    logs = Path(ray._private.worker._global_node.get_session_dir_path()) / "logs"
+    (path,) = logs.glob(f"worker-*-{pid}.err")
+    return path.read_text()
+
+
+def test_auto_without_nixl_reads_through_the_object_store_and_says_why_once(cluster, replicas, tmp_path):
+    """nixl made unimportable in the replicas' processes (a package of that name that
+    refuses to import, first on their path): `auto` starts, reads other nodes through
+    the object store, registers no endpoint, and each replica logs why once."""
+    _, (n1, n2, _) = cluster
+    blocker = tmp_path / "no_nixl" / "nixl"
+    blocker.mkdir(parents=True)
+    (blocker / "__init__.py").write_text('raise ImportError("nixl made unimportable by the test")\n')
+    path = os.pathsep.join(p for p in (str(blocker.parent), os.environ.get("PYTHONPATH")) if p)
+    group = replicas(transport="auto", runtime_env={"env_vars": {"PYTHONPATH": path}})
+    a = group.start("a", n1, pool_blocks=64)
+    b = group.start("b", n2, pool_blocks=64)
+    for round in range(3):  # several cross-node promotions each way: still one line each
+        tokens = prompt(100 + round, 8)
+        keys = block_keys(tokens, BLOCK_TOKENS)
+        assert ray.get(a.serve.remote(tokens))["stored_blocks"] == 8
+        wait_visible(b, keys, "a")
+        result = ray.get(b.serve.remote(tokens))
+        assert result["hit_blocks"] == 8 and result["mismatches"] == 0 and result["load_failures"] == 0
+    assert list(ray.get(b.transported.remote())) == ["object_store"]
+    assert ray.get(b.stats.remote())["promotions"]["transport_rates"] == {}  # nothing to measure
+    (shard,) = get_or_create_shards(group.namespace, 1)
+    assert [r["endpoint"] for r in ray.get(shard.replicas.remote(), timeout=30)] == [False, False]
+    why = (
+        "distkv: transport 'auto' reads other nodes through the object store only: the nixl transport "
+        "needs NIXL (nixl made unimportable by the test): pip install 'ray-distkv[rdma]'"
+    )
+    for actor in (a, b):
+        assert worker_log(actor).count(why) == 1
     group.shutdown()
     assert not group.segments()
 

@@ -54,8 +54,18 @@ def holder_main(name: str, conn) -> None:
         command = conn.recv()
         if command == "close":
             break
-        seal(*command)
-        conn.send("sealed")
+        if command == "close pool":  # the replica shut down or reset; its process lives on
+            agent.close()
+            pool.close()
+            conn.send("pool closed")
+        elif command == "reopen":  # the reset replica's new pool, registered with a new agent
+            pool = HostPool(name, LAYOUT)
+            agent = NixlAgent()
+            seal(0, 11)
+            conn.send(agent.endpoint(pool))
+        else:
+            seal(*command)
+            conn.send("sealed")
     agent.close()
     pool.close()
     conn.send("closed")
@@ -214,3 +224,223 @@ def test_starting_an_agent_writes_nothing_to_stdout():
         capture_output=True, text=True, timeout=120, check=True,
     )
     assert done.stdout == ""
+
+
+def test_a_closed_holder_pool_fails_reads_into_misses_and_is_forgotten(holder):
+    """The holder replica shuts down or resets (its pool closed, its agent gone, its
+    process alive) while this requester has its descriptors cached: every later read of
+    it fails at once, the peer is dropped, the scratch comes back; the reset holder's new
+    pool is read afresh, and a read through the old descriptors stays a failure."""
+    _, conn, endpoint = holder
+    local = HostPool(segment_name("t" + uuid.uuid4().hex[:8], "requester"), LAYOUT)
+    transport = NixlTransport(local, NixlAgent(), scratch_slots=8)
+
+    def info(endpoint):
+        return ReplicaInfo("holder", "node-a", "distkv-x-holder", LAYOUT.num_rows, LAYOUT.num_ranks,
+                           LAYOUT.slot_bytes, endpoint=endpoint)
+
+    def run(endpoint, generation):
+        """What landed, or None when the transfer failed; never past a bound far beyond a failed read."""
+        try:
+            transfer = transport.start(info(endpoint), [RowRead(KEY, 3, generation, 5)], lambda: None)
+        except Exception:
+            return None
+        deadline = time.monotonic() + 60
+        while not transfer.done():
+            assert time.monotonic() < deadline, "a read of a closed pool hangs"
+            time.sleep(0)
+        try:
+            return transfer.finish()
+        except Exception:
+            return None
+
+    try:
+        assert run(endpoint, 7)[0] is not None  # the descriptors are cached now
+        conn.send("close pool")
+        assert conn.recv() == "pool closed"
+        for _ in range(3):
+            assert run(endpoint, 7) is None
+            assert transport.agent.num_peers == 0
+        conn.send("reopen")
+        reopened = conn.recv()
+        assert reopened.agent_name != endpoint.agent_name
+        landed = run(reopened, 11)
+        assert landed[0] is not None
+        for rank in range(LAYOUT.num_ranks):
+            np.testing.assert_array_equal(local.payload[rank, 5], payload_of(3, rank, 0))
+        stale = run(endpoint, 7)  # a view that still lists the old pool
+        assert stale is None or stale[0] is None
+        assert run(reopened, 11)[0] is not None
+        assert transport.agent.num_peers == 1  # the reset holder's new agent only
+        assert transport.scratch.take(8) is not None  # every slot of the scratch came back
+    finally:
+        transport.close()
+        local.close()
+
+
+class SteppedAgent(NixlAgent):
+    """A NixlAgent that runs `at(step)` at each step of a reader's sequence of READs:
+    before the n-th READ is issued, once it is issued, and once it is first seen done
+    (before the reader goes on)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.at = lambda step: None
+        self.reads = 0
+
+    def read(self, remote, pieces, *args, **kw):
+        n = self.reads
+        self.reads += 1
+        self.at(f"before read {n}")
+        read = super().read(remote, pieces, *args, **kw)
+        self.at(f"read {n} issued")
+        return SteppedRead(read, lambda: self.at(f"read {n} done"))
+
+
+class SteppedRead:
+    def __init__(self, read, on_done) -> None:
+        self._read = read
+        self._on_done = on_done
+
+    def state(self) -> str:
+        state = self._read.state()
+        if state == "done" and self._on_done is not None:
+            on_done, self._on_done = self._on_done, None
+            on_done()
+        return state
+
+    def release(self) -> None:
+        self._read.release()
+
+
+# NixlTransport's sequence: read 0 brings the slots and headers, read 1 the generations.
+STEPS = ["before read 0", "read 0 issued", "read 0 done", "read 1 issued", "read 1 done"]
+OTHER_KEY = b"other-block\x00\x00\x00"
+
+
+@pytest.fixture(scope="module")
+def one_sided():
+    """A holder pool registered with its own agent, and a requester's NixlTransport reading
+    it: two NIXL agents over real UCX, in one process, so that the test acts as the holder
+    at any step of the requester's reads."""
+    holder_pool = HostPool(segment_name("t" + uuid.uuid4().hex[:8], "holder"), LAYOUT)
+    holder_agent = NixlAgent()
+    endpoint = holder_agent.endpoint(holder_pool)
+    local = HostPool(segment_name("t" + uuid.uuid4().hex[:8], "requester"), LAYOUT)
+    transport = NixlTransport(local, SteppedAgent(), scratch_slots=8)
+    info = ReplicaInfo("holder", "node-a", "distkv-x-holder", LAYOUT.num_rows, LAYOUT.num_ranks, LAYOUT.slot_bytes,
+                       endpoint=endpoint)
+    yield holder_pool, transport, info, iter(range(100, 1 << 30, 2))
+    transport.close()
+    local.close()
+    holder_agent.close()
+    holder_pool.close()
+
+
+def write_row(pool, row, version, key=None, generation=0, ranks=range(LAYOUT.num_ranks)) -> None:
+    """Evict and rewrite `row` as a writer does: generation zeroed, then the bytes of
+    `version`, then (if a key is given) the header, generation last."""
+    rows = np.array([row])
+    for rank in ranks:
+        pool.begin_write(rank, rows)
+        pool.payload[rank, row] = payload_of(row, rank, version)
+        if key is not None:
+            pool.seal(rank, rows, [key], np.array([generation], dtype=np.uint64), LAYOUT.slot_bytes)
+
+
+# What the holder does to the row being read: evict it (generation zeroed), leave it half
+# rewritten, rewrite it as the same key at a new generation, or as another key.
+WRITES = {
+    "evicted": lambda pool, gen: [pool.begin_write(rank, np.array([3])) for rank in range(LAYOUT.num_ranks)],
+    "half rewritten": lambda pool, gen: write_row(pool, 3, 1),
+    "rewritten": lambda pool, gen: write_row(pool, 3, 1, KEY, gen),
+    "another key": lambda pool, gen: write_row(pool, 3, 2, OTHER_KEY, gen),
+    "one rank rewritten": lambda pool, gen: write_row(pool, 3, 1, KEY, gen, ranks=[1]),
+}
+CASES = [(((step, write),)) for step in STEPS for write in WRITES] + [
+    ((first, "evicted"), (then, write))
+    for i, first in enumerate(STEPS)
+    for then in STEPS[i + 1 :]
+    for write in ("rewritten", "another key")
+]
+
+
+@pytest.mark.parametrize("actions", CASES, ids=lambda actions: " then ".join(f"{w} at {s}" for s, w in actions))
+def test_a_row_rewritten_at_any_step_of_a_nixl_read_lands_exact_or_misses(one_sided, actions):
+    """The holder evicts and rewrites the row at exactly one step (or two) of the real
+    READs: what the requester keeps is the original block's bytes or a miss, never others.
+    A writer who acted before the generations' READ was issued is seen (a miss); one who
+    acts after it landed is too late to matter (the original)."""
+    holder_pool, transport, info, generations = one_sided
+    original = next(generations)
+    write_row(holder_pool, 3, 0, KEY, original)
+    local = transport.pool
+    rows = np.array([5])
+    for rank in range(LAYOUT.num_ranks):
+        local.begin_write(rank, rows)  # as the Promoter does before a transfer
+        local.payload[rank, 5] = 0xEE
+    pending = list(actions)
+
+    def at(step: str) -> None:
+        while pending and pending[0][0] == step:
+            WRITES[pending.pop(0)[1]](holder_pool, original + 1)
+
+    transport.agent.reads = 0
+    transport.agent.at = at
+    try:
+        transfer = transport.start(info, [RowRead(KEY, 3, original, 5)], lambda: None)
+        deadline = time.monotonic() + 60
+        while not transfer.done():
+            assert time.monotonic() < deadline
+            time.sleep(0)
+        (metas,) = transfer.finish()
+    finally:
+        transport.agent.at = lambda step: None
+    assert not pending, f"steps never reached: {pending}"
+    first = STEPS.index(actions[0][0])
+    if metas is not None:
+        assert first >= STEPS.index("read 1 issued"), "a writer seen before the generations' READ was issued went unnoticed"
+        for rank in range(LAYOUT.num_ranks):
+            np.testing.assert_array_equal(local.payload[rank, 5], payload_of(3, rank, 0))
+        assert [m.nbytes for m in metas] == [LAYOUT.slot_bytes] * LAYOUT.num_ranks
+    else:
+        assert first < STEPS.index("read 1 done"), "a rewrite after every READ landed spoiled the copy"
+    assert len(transport.scratch._free) == 8 and transport.agent.num_peers == 1  # nothing held
+
+
+def test_a_holder_that_left_is_forgotten_even_with_a_read_in_flight(holder):
+    """forget_gone (the Promoter's periodic sweep): a holder still registered is kept; one
+    the Directory no longer lists is dropped, a read of it in flight ends without hanging
+    and gives its scratch back, and the next read of it connects afresh."""
+    _, _, endpoint = holder
+    local = HostPool(segment_name("t" + uuid.uuid4().hex[:8], "requester"), LAYOUT)
+    transport = NixlTransport(local, NixlAgent(), scratch_slots=8)
+    info = ReplicaInfo("holder", "node-a", "distkv-x-holder", LAYOUT.num_rows, LAYOUT.num_ranks, LAYOUT.slot_bytes,
+                       endpoint=endpoint)
+
+    def land(transfer):
+        deadline = time.monotonic() + 60
+        while not transfer.done():
+            assert time.monotonic() < deadline, "a read of a forgotten holder hangs"
+            time.sleep(0)
+        try:
+            return transfer.finish()
+        except Exception:
+            return None
+
+    try:
+        assert land(transport.start(info, [RowRead(KEY, 3, 7, 5)], lambda: None))[0] is not None
+        transport.forget_gone(lambda replica_id: info)
+        assert transport.agent.num_peers == 1
+        in_flight = transport.start(info, [RowRead(KEY, 3, 7, 6)], lambda: None)
+        transport.forget_gone(lambda replica_id: None)
+        assert transport.agent.num_peers == 0
+        landed = land(in_flight)
+        if landed is not None and landed[0] is not None:
+            np.testing.assert_array_equal(local.payload[1, 6], payload_of(3, 1, 0))
+        assert len(transport.scratch._free) == 8
+        assert land(transport.start(info, [RowRead(KEY, 3, 7, 5)], lambda: None))[0] is not None
+        assert transport.agent.num_peers == 1
+    finally:
+        transport.close()
+        local.close()

@@ -162,6 +162,19 @@ def test_nixl_missing_stops_a_replica_that_asked_for_it(pool, monkeypatch):
         node_transports("nixl", pool, FakeTransport("object_store"))
 
 
+def test_a_nixl_agent_that_does_not_start_stops_a_replica_that_asked_for_it(pool, monkeypatch):
+    class NoUcx:
+        def nixl_agent_config(self, **kw):
+            return kw
+
+        def nixl_agent(self, name, config):
+            raise RuntimeError("no UCX backend")
+
+    monkeypatch.setattr("distkv.rdma.load_nixl", NoUcx)
+    with pytest.raises(ValueError, match=r"'transport'='nixl'.*did not start \(no UCX backend\).*'object_store'"):
+        node_transports("nixl", pool, FakeTransport("object_store"))
+
+
 def test_nixl_missing_leaves_auto_on_the_object_store_and_says_why_once(pool, monkeypatch, caplog):
     monkeypatch.setitem(sys.modules, "nixl", None)
     with caplog.at_level(logging.WARNING, logger="distkv.spec"):
