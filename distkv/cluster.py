@@ -19,7 +19,7 @@ from distkv.abstract import (
 from distkv.config import STORE_POLICIES
 from distkv.directory import DirectoryLink
 from distkv.manager import MAX_KEY_BYTES, MIN_KEY_BYTES, LocalOffloadingManager, check_keys, key_problem
-from distkv.metrics import ErrorLog, merge_errors
+from distkv.errors import ErrorLog, merge_errors
 from distkv.promotion import Promoter, Promotion
 
 logger = logging.getLogger(__name__)

@@ -1,6 +1,6 @@
 """The host pool: one shared-memory segment per replica holding its offloaded blocks.
 
-Layout of the segment `/dev/shm/distkv-<namespace>-<replica>` (mode 0600):
+Layout of the segment `/dev/shm/distkv-<namespace>-<replica>` (mode 0600; `distkv.names`):
 
     page 0          superblock: magic, then the PoolLayout it was created with
     headers         num_ranks x num_rows headers of HEADER_BYTES, page-padded
@@ -28,7 +28,6 @@ import fcntl
 import logging
 import mmap
 import os
-import re
 import struct
 import threading
 import time
@@ -40,12 +39,12 @@ import numpy as np
 import xxhash
 
 from distkv.abstract import BlockIDsLoadStoreSpec, OffloadKey
+from distkv.names import SEGMENT_PREFIX
 
 logger = logging.getLogger(__name__)
 
 PAGE_BYTES = mmap.PAGESIZE
 SHM_DIR = "/dev/shm"
-SEGMENT_PREFIX = "distkv-"
 MAGIC = b"DISTKV\x00\x02"
 HEADER_BYTES = 128
 # cudaHostRegister fails on very large ranges; pin in pieces of at most this size.
@@ -60,7 +59,6 @@ _GEN, _SUM, _NBYTES, _KEYLEN, _FILLED = range(5)
 _HEADER_WORDS = struct.Struct("<5Q")
 _KEY_OFFSET = _HEADER_WORDS.size
 MAX_KEY_BYTES = HEADER_BYTES - _KEY_OFFSET
-_NAME_RE = re.compile(r"^[A-Za-z0-9_.]+$")
 # `filled` of a slot written whole: every sub-block
 ALL_SUB_BLOCKS = (1 << 64) - 1
 
@@ -222,15 +220,6 @@ class PoolLayout:
             return None
         rows, ranks, slot = np.frombuffer(raw[len(MAGIC) : len(MAGIC) + 24], dtype="<u8")
         return cls(int(rows), int(ranks), int(slot))
-
-
-def segment_name(namespace: str, replica: str) -> str:
-    for what, value in (("namespace", namespace), ("replica", replica)):
-        if not _NAME_RE.match(value):
-            raise ValueError(
-                f"pool {what} {value!r} may hold only letters, digits, '_' and '.'"
-            )
-    return f"{SEGMENT_PREFIX}{namespace}-{replica}"
 
 
 def pin_ranges(offset: int, num_rows: int, slot_bytes: int, max_piece: int = MAX_PIN_BYTES) -> list[tuple[int, int]]:

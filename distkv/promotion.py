@@ -23,8 +23,10 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from distkv.abstract import OffloadKey
-from distkv.directory import Holder, ReplicaInfo, check_pool_namespace
-from distkv.metrics import MAX_OBSERVATIONS, ErrorLog
+from distkv.directory import Holder, ReplicaInfo
+from distkv.errors import ErrorLog
+from distkv.metrics import MAX_OBSERVATIONS
+from distkv.names import check_pool_namespace
 from distkv.pool import HostPool, PoolLayout, Sealed
 from distkv.transport import RowRead, Transfer, Transport
 

@@ -1,7 +1,7 @@
 """`distkv status`: the nodes, replicas, Directory shards and recent errors of a Ray cluster.
 
 Finds every Directory shard (the named actors `directory-<namespace>-<i>` in Ray namespace
-`distkv`) and asks each for its sizes and its registered replicas. Each replica's
+`distkv`: `distkv.names`) and asks each for its sizes and its registered replicas. Each replica's
 DirectoryLink sends the replica's counts along with its heartbeat (every 0.5 s), so what is
 shown is at most about a second old. Exits 1 when a shard does not answer.
 """
@@ -11,20 +11,19 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import re
 import socket
 import sys
 import time
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from distkv.metrics import DIRECTORY_SIZES, RECENT_ERRORS
+from distkv.errors import RECENT_ERRORS
+from distkv.metrics import DIRECTORY_SIZES
+from distkv.names import RAY_NAMESPACE, parse_agent_name, parse_shard_name, shard_name
 
 CALL_TIMEOUT_S = 10.0
 # what a replica entry takes from the replica's latest report (None before one came)
 REPORTED = ("lookups", "promotions", "blocks", "pool", "errors", "recent_errors")
-_SHARD_NAME = re.compile(r"^directory-(.+)-(\d+)$")
-_AGENT_PREFIX = "node-agent-"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -36,8 +35,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     import ray
-
-    from ray_actors.directory import RAY_NAMESPACE
 
     connect = not ray.is_initialized()
     if connect:
@@ -77,16 +74,14 @@ def collect(timeout_s: float = CALL_TIMEOUT_S) -> dict[str, Any]:
     import ray
     from ray.exceptions import GetTimeoutError
 
-    from ray_actors.directory import RAY_NAMESPACE
-
     names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["namespace"] == RAY_NAMESPACE]
-    agents = {name[len(_AGENT_PREFIX):] for name in names if name.startswith(_AGENT_PREFIX)}
-    shards = sorted((m.group(1), int(m.group(2))) for m in map(_SHARD_NAME.match, names) if m)
+    agents = {node for node in map(parse_agent_name, names) if node is not None}
+    shards = sorted(shard for shard in map(parse_shard_name, names) if shard is not None)
 
     calls: dict[tuple[str, int], tuple[Any, Any] | str] = {}
     for namespace, shard in shards:
         try:
-            actor = ray.get_actor(f"directory-{namespace}-{shard}", namespace=RAY_NAMESPACE)
+            actor = ray.get_actor(shard_name(namespace, shard), namespace=RAY_NAMESPACE)
             calls[namespace, shard] = (actor.stats.remote(), actor.replicas.remote())
         except Exception as e:  # gone since it was listed
             calls[namespace, shard] = f"{type(e).__name__}: {e}"

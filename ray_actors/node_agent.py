@@ -11,11 +11,11 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from distkv import metrics
 from distkv.abstract import OffloadKey
-from distkv.directory import ReplicaInfo, check_pool_namespace
+from distkv.directory import ReplicaInfo
+from distkv.names import RAY_NAMESPACE, agent_name, check_pool_namespace
 from distkv.pool import PoolLayout, PoolReaders
 from distkv.transport import RowsRead, read_rows
 
-RAY_NAMESPACE = "distkv"
 # how often a NodeAgent closes the pools it no longer needs mapped (see PoolReaders)
 PRUNE_INTERVAL_S = 5.0
 
@@ -71,10 +71,6 @@ class NodeAgent:
 
     def node_id(self) -> str:
         return ray.get_runtime_context().get_node_id()
-
-
-def agent_name(node_id: str) -> str:
-    return f"node-agent-{node_id}"
 
 
 def start_node_agent(node_id: str) -> ray.actor.ActorHandle:

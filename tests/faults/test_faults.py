@@ -27,7 +27,8 @@ from workload import (
 
 from distkv.directory import ReplicaInfo, pack, unpack
 from distkv.harness import block_keys
-from distkv.pool import PoolLayout, reclaim_stale_segments, segment_name
+from distkv.names import segment_name
+from distkv.pool import PoolLayout, reclaim_stale_segments
 from ray_actors.directory import get_or_create_shards, kill_shards
 
 

@@ -17,9 +17,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from distkv.abstract import ReqContext
 from distkv.harness import Replica, block_keys
 from distkv.metrics import METRICS
+from distkv.names import RAY_NAMESPACE, agent_name
 from distkv.spec import RayOffloadingSpec
-from ray_actors.directory import RAY_NAMESPACE, kill_shards
-from ray_actors.node_agent import agent_name
+from ray_actors.directory import kill_shards
 
 BLOCK_TOKENS = 16
 PAGE_BYTES = 32 << 10

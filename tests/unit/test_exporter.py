@@ -23,15 +23,12 @@ from distkv.harness import Replica, block_keys
 from distkv.metrics import (
     METRICS,
     DirectorySource,
-    ErrorLog,
     Exporter,
     HandlerSource,
     NodeAgentSource,
     ReplicaSource,
-    merge_errors,
-    segment_owner,
 )
-from distkv.pool import ALL_SUB_BLOCKS, HostPool, Sealed, segment_name
+from distkv.pool import ALL_SUB_BLOCKS, HostPool, Sealed
 from distkv.promotion import Promoter, layout_of
 from distkv.transport import ObjectStoreTransport, read_rows
 from distkv.spec import LocalOffloadingSpec
@@ -173,38 +170,6 @@ def test_definitions_are_well_formed():
     assert METRICS["distkv_lookups"].exported == "ray_distkv_lookups_total"
     assert METRICS["distkv_pool_used_bytes"].exported == "ray_distkv_pool_used_bytes"
     assert METRICS["distkv_promotion_latency_seconds"].series[0] == "ray_distkv_promotion_latency_seconds_bucket"
-
-
-# ---- errors --------------------------------------------------------------------------
-
-
-def test_error_log_counts_by_kind_and_keeps_the_last_few():
-    log = ErrorLog(keep=3)
-    for i in range(5):
-        log.add("promotion_timeout", f"timeout {i}")
-    log.add("directory_poll", "x" * 1000)
-    assert log.counts() == {"promotion_timeout": 5, "directory_poll": 1}
-    recent = log.recent()
-    assert [m for _, _, m in recent][:2] == ["timeout 3", "timeout 4"]
-    assert len(recent[-1][2]) == metrics.MAX_ERROR_MESSAGE
-    with pytest.raises(ValueError, match="error kind"):
-        log.add("oops", "no such kind")
-    assert log.counts()["promotion_timeout"] == 5
-
-
-def test_error_log_sync_notes_only_the_increase():
-    log = ErrorLog()
-    log.sync("store_rejected", 0, "rejected")
-    assert log.counts() == {} and log.recent() == []
-    log.sync("store_rejected", 3, "rejected")
-    log.sync("store_rejected", 3, "rejected")
-    assert log.counts() == {"store_rejected": 3}
-    assert [m for _, _, m in log.recent()] == ["3 x rejected"]
-    other = ErrorLog()
-    other.add("load_failed", "late")
-    counts, recent = merge_errors([log, other])
-    assert counts == {"store_rejected": 3, "load_failed": 1}
-    assert [k for _, k, _ in recent] == ["store_rejected", "load_failed"]
 
 
 # ---- what the components count ---------------------------------------------------------
@@ -370,11 +335,6 @@ def test_handlers_count_bytes_and_time(replicas):
     assert backend.counters[("distkv_transfer_bytes", *tags)] == 8 * BLOCK_BYTES
     assert backend.counters[("distkv_transfer_seconds", *tags)] == pytest.approx(store.busy_s)
     assert backend.gauges[("distkv_transfer_gbps", *tags)] == pytest.approx(8 * BLOCK_BYTES / store.busy_s / 1e9)
-
-
-def test_segment_owner_inverts_segment_name():
-    assert segment_owner(segment_name("0123abcd", "engine_1.x")) == ("0123abcd", "engine_1.x")
-    assert segment_owner("some-other-pool") == ("", "some-other-pool")
 
 
 def test_node_agent_source_counts_rows_by_result():

@@ -11,7 +11,8 @@ import pytest
 
 import distkv.promotion as promotion
 from distkv.directory import Holder, ReplicaInfo
-from distkv.pool import HostPool, PoolLayout, segment_name
+from distkv.names import segment_name
+from distkv.pool import HostPool, PoolLayout
 from distkv.promotion import Promoter, Promotion
 from distkv.transport import ObjectStoreTransport, read_rows
 

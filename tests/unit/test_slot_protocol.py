@@ -35,7 +35,8 @@ from distkv.abstract import (
 )
 from distkv.handlers import make_handlers
 from distkv.manager import LocalOffloadingManager
-from distkv.pool import HEADER_BYTES, PAGE_BYTES, HostPool, PoolLayout, PoolLoadStoreSpec, check_landed, segment_name
+from distkv.names import segment_name
+from distkv.pool import HEADER_BYTES, PAGE_BYTES, HostPool, PoolLayout, PoolLoadStoreSpec, check_landed
 from distkv.directory import ReplicaInfo
 from distkv.transport import ObjectStoreTransport, RowRead, read_rows
 
