@@ -542,6 +542,48 @@ class HostPool:
         self.close()
 
 
+# Each asked-for row's metas, and the slots of the rows whose metas are not None, in the
+# order asked, as one (ranks, rows, slot_bytes) array (None when there are none): what a
+# NodeAgent's read answers.
+RowsRead = tuple[np.ndarray | None, list[list[Sealed] | None]]
+
+
+def read_rows(
+    pool: HostPool, rows: Sequence[int], keys: Sequence[OffloadKey], generations: Sequence[int]
+) -> RowsRead:
+    """The holder's side of a read from another node (a NodeAgent, from `PoolReaders`):
+    each row's metas as its headers said, and the slots of the rows sealed as
+    key@generation; a row that is not goes out as its None meta only.
+
+    The caller copies the array out (the NodeAgent: Ray, into the object store, as the
+    call's result). For consecutive rows of a one-rank pool the array is a view of the
+    pool, so the rows are copied once; others are gathered first (one contiguous array:
+    the object store's copy of many small arrays is several times slower). A row
+    rewritten after its header was read travels torn or as another block, and fails the
+    reader's check of every slot against the checksum in its meta: a miss, never data.
+    """
+    ranks = range(pool.layout.num_ranks)
+    metas: list[list[Sealed] | None] = []
+    for row, key, gen in zip(rows, keys, generations):
+        meta = [pool.sealed(rank, row, key, gen) for rank in ranks]
+        metas.append(None if None in meta else meta)
+    sealed = [row for row, meta in zip(rows, metas) if meta is not None]
+    if not sealed:
+        return None, metas
+    first = sealed[0]
+    if sealed == list(range(first, first + len(sealed))):
+        data = pool.payload[:, first : first + len(sealed)]
+        if not data.flags.c_contiguous:
+            data = np.ascontiguousarray(data)
+    else:
+        data = pool.payload[:, np.asarray(sealed, dtype=np.int64)]
+    return data, metas
+
+
+# how often the owner of a PoolReaders prunes it (closes the pools it no longer needs mapped)
+PRUNE_INTERVAL_S = 5.0
+
+
 class _Reading:
     __slots__ = ("pool", "users", "last_used", "retired")
 
@@ -555,7 +597,10 @@ class _Reading:
 class PoolReaders:
     """Other replicas' pools, opened to read (`member=False`) and kept mapped between reads.
 
-    What a NodeAgent serves from. Mapping a pool anew for every read costs a page fault
+    The one way to read another replica's pool: a NodeAgent serves other nodes from it,
+    the Promoter copies from it on the same node. Being no member, a reader never takes
+    the replica's lock, so closing a mapping never removes the segment: that stays the
+    business of the replica's own processes (or of a reclaim once they are gone). Mapping a pool anew for every read costs a page fault
     per page read and an munmap, as much CPU again as copying the rows out (34 against
     16 ms per 128 MiB here). A pool whose segment was removed or replaced is closed at
     its next read or by `prune`, as is one unread for `idle_s`, so that a mapping never

@@ -20,9 +20,9 @@ from cluster_fakes import FakeDirectory, FakeLink
 from distkv.cluster import ClusterOffloadingManager
 from distkv.directory import ReplicaInfo
 from distkv.harness import Replica, block_keys
-from distkv.pool import HostPool
+from distkv.pool import HostPool, read_rows
 from distkv.promotion import Promoter, layout_of
-from distkv.transport import ObjectStoreTransport, read_rows
+from distkv.transport import ObjectStoreTransport
 from distkv.spec import LocalOffloadingSpec
 
 BLOCK_TOKENS = 16

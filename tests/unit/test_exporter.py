@@ -28,9 +28,9 @@ from distkv.metrics import (
     NodeAgentSource,
     ReplicaSource,
 )
-from distkv.pool import ALL_SUB_BLOCKS, HostPool, Sealed
+from distkv.pool import ALL_SUB_BLOCKS, HostPool, Sealed, read_rows
 from distkv.promotion import Promoter, layout_of
-from distkv.transport import ObjectStoreTransport, read_rows
+from distkv.transport import ObjectStoreTransport
 from distkv.spec import LocalOffloadingSpec
 
 BLOCK_TOKENS = 16
