@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 import math
@@ -21,6 +22,15 @@ from distkv.directory import DirectoryLink
 from distkv.manager import MAX_KEY_BYTES, MIN_KEY_BYTES, LocalOffloadingManager, check_keys, key_problem
 from distkv.errors import ErrorLog, merge_errors
 from distkv.promotion import Promoter, Promotion
+from distkv.stats import (
+    BlockCounts,
+    LookupCounts,
+    Observations,
+    PoolUsage,
+    PromotionCounts,
+    ReplicaStats,
+    TransportCounts,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -250,7 +260,7 @@ class ClusterOffloadingManager(OffloadingManager):
         """Blocks the engine stored here; promoted blocks are counted by the promoter."""
         return self.local.blocks_stored - self._promoted_stored
 
-    def stats(self) -> dict:
+    def stats(self) -> ReplicaStats:
         """This replica's counts since it started: what `distkv status` shows and the
         metrics exporter exports. Safe to call from any thread: it only reads ints and
         copies small dicts."""
@@ -258,44 +268,44 @@ class ClusterOffloadingManager(OffloadingManager):
         self.errors.sync("store_rejected", self.stores_rejected, "prepare_store found no free or evictable row")
         errors, recent = merge_errors((self.errors, promoter.errors, self.link.errors))
         row_bytes = info.num_ranks * info.slot_bytes
-        return {
-            "namespace": self.link.namespace,
-            "replica": info.replica_id,
-            "node": info.node_id,
-            "time": time.time(),
-            "lookups": {
-                "local_hit": int(self.lookups_local_hit),
-                "remote_hit": int(self.lookups_remote_hit),
-                "miss": int(self.lookups_miss),
-                "retry": int(self.lookups_retry),
-            },
-            "promotions": {
-                "started": dict(promoter.started),
-                "succeeded": dict(promoter.succeeded),
-                "failed": dict(promoter.failed),
-                "bytes": {"same_node": promoter.bytes_same_node, "cross_node": promoter.bytes_cross_node},
-                "in_flight": len(self._promoting),
-                # cross-node promotions by transport, and each holder node's measured rates
-                "transports": {
-                    name: {"blocks": int(blocks), "bytes": int(nbytes), "seconds": seconds}
+        return ReplicaStats(
+            namespace=self.link.namespace,
+            replica=info.replica_id,
+            node=info.node_id,
+            time=time.time(),
+            lookups=LookupCounts(
+                local_hit=int(self.lookups_local_hit),
+                remote_hit=int(self.lookups_remote_hit),
+                miss=int(self.lookups_miss),
+                retry=int(self.lookups_retry),
+            ),
+            promotions=PromotionCounts(
+                started=dict(promoter.started),
+                succeeded=dict(promoter.succeeded),
+                failed=dict(promoter.failed),
+                bytes={"same_node": promoter.bytes_same_node, "cross_node": promoter.bytes_cross_node},
+                in_flight=len(self._promoting),
+                transports={
+                    name: TransportCounts(int(blocks), int(nbytes), seconds)
                     for name, (blocks, nbytes, seconds) in list(promoter.transported.items())
                 },
-                "transport_rates": promoter.transport.rates(),
-            },
-            "blocks": {
-                "stored": self.blocks_stored,
-                "evicted": local.blocks_evicted,
-                "loaded": dict(self.blocks_loaded),
-            },
-            "pool": {
-                "rows": local.num_rows,
-                "free_rows": local.num_free_rows,
-                "used_bytes": (local.num_rows - local.num_free_rows) * row_bytes,
-                "capacity_bytes": local.num_rows * row_bytes,
-            },
-            "errors": errors,
-            "recent_errors": recent,
-        }
+                transport_rates=promoter.transport.rates(),
+            ),
+            blocks=BlockCounts(stored=self.blocks_stored, evicted=local.blocks_evicted, loaded=dict(self.blocks_loaded)),
+            pool=PoolUsage(
+                rows=local.num_rows,
+                free_rows=local.num_free_rows,
+                used_bytes=(local.num_rows - local.num_free_rows) * row_bytes,
+                capacity_bytes=local.num_rows * row_bytes,
+            ),
+            errors=errors,
+            recent_errors=tuple(recent),
+        )
+
+    def drain_observations(self) -> Observations:
+        """The promotion latencies and Directory event lags observed since the last call
+        (each goes to one caller: the metrics exporter). Safe to call from any thread."""
+        return Observations(_drain(self.promoter.latencies), _drain(self.link.event_lags))
 
     # ---- promotion -------------------------------------------------------------------
 
@@ -426,3 +436,11 @@ class ClusterOffloadingManager(OffloadingManager):
                 self.link.removed(event.keys)
                 for key in event.keys:
                     self._promoted.pop(key, None)
+
+
+def _drain(observations: collections.deque) -> list:
+    """Everything in `observations` now, oldest first; what its owner appends meanwhile stays."""
+    drained = []
+    while observations:
+        drained.append(observations.popleft())
+    return drained

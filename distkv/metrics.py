@@ -18,7 +18,7 @@ import logging
 import sys
 import threading
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any, Protocol
 
 from distkv.names import parse_segment_name
@@ -317,8 +317,8 @@ def this_node() -> str:
 
 
 class ReplicaSource:
-    """A replica's scheduler side: its ClusterOffloadingManager's `stats()`, the promotion
-    latencies and Directory event lags observed since the last report."""
+    """A replica's scheduler side: its ClusterOffloadingManager's `stats()`, and the
+    observations it drained since the last report."""
 
     def __init__(self, manager: Any) -> None:
         self._manager = manager
@@ -326,39 +326,36 @@ class ReplicaSource:
     def collect(self, out: Collector) -> bool:
         manager = self._manager
         stats = manager.stats()
-        base = {"namespace": stats["namespace"], "replica": stats["replica"], "node": stats["node"]}
-        for outcome, n in stats["lookups"].items():
+        base = {"namespace": stats.namespace, "replica": stats.replica, "node": stats.node}
+        for outcome, n in asdict(stats.lookups).items():
             out.count("distkv_lookups", {**base, "outcome": outcome}, n)
-        promotions = stats["promotions"]
+        promotions = stats.promotions
         for path in PATHS:
             tags = {**base, "path": path}
-            out.count("distkv_promotions_started", tags, promotions["started"][path])
-            out.count("distkv_promotions_succeeded", tags, promotions["succeeded"][path])
-            out.count("distkv_promotions_failed", tags, promotions["failed"][path])
-            out.count("distkv_promotion_bytes", tags, promotions["bytes"][path])
-        out.gauge("distkv_promotions_in_flight", base, promotions["in_flight"])
-        for transport, moved in promotions["transports"].items():
-            out.count("distkv_transport_bytes", {**base, "transport": transport}, moved["bytes"])
-            out.count("distkv_transport_seconds", {**base, "transport": transport}, moved["seconds"])
-        for holder_node, rates in promotions["transport_rates"].items():
+            out.count("distkv_promotions_started", tags, promotions.started[path])
+            out.count("distkv_promotions_succeeded", tags, promotions.succeeded[path])
+            out.count("distkv_promotions_failed", tags, promotions.failed[path])
+            out.count("distkv_promotion_bytes", tags, promotions.bytes[path])
+        out.gauge("distkv_promotions_in_flight", base, promotions.in_flight)
+        for transport, moved in promotions.transports.items():
+            out.count("distkv_transport_bytes", {**base, "transport": transport}, moved.bytes)
+            out.count("distkv_transport_seconds", {**base, "transport": transport}, moved.seconds)
+        for holder_node, rates in promotions.transport_rates.items():
             for transport, rate in rates.items():
                 out.gauge("distkv_transport_rate_gbps", {**base, "holder_node": holder_node, "transport": transport}, rate / 1e9)
-        latencies = manager.promoter.latencies
-        while latencies:
-            path, seconds = latencies.popleft()
+        observed = manager.drain_observations()
+        for path, seconds in observed.promotion_latencies:
             out.observe("distkv_promotion_latency_seconds", {**base, "path": path}, seconds)
-        blocks = stats["blocks"]
-        out.count("distkv_blocks_stored", base, blocks["stored"])
-        out.count("distkv_blocks_evicted", base, blocks["evicted"])
-        for source, n in blocks["loaded"].items():
+        blocks = stats.blocks
+        out.count("distkv_blocks_stored", base, blocks.stored)
+        out.count("distkv_blocks_evicted", base, blocks.evicted)
+        for source, n in blocks.loaded.items():
             out.count("distkv_blocks_loaded", {**base, "source": source}, n)
-        out.gauge("distkv_pool_used_bytes", base, stats["pool"]["used_bytes"])
-        out.gauge("distkv_pool_capacity_bytes", base, stats["pool"]["capacity_bytes"])
-        for kind, n in stats["errors"].items():
+        out.gauge("distkv_pool_used_bytes", base, stats.pool.used_bytes)
+        out.gauge("distkv_pool_capacity_bytes", base, stats.pool.capacity_bytes)
+        for kind, n in stats.errors.items():
             out.count("distkv_errors", {**base, "kind": kind}, n)
-        lags = manager.link.event_lags
-        while lags:
-            shard, seconds = lags.popleft()
+        for shard, seconds in observed.event_lags:
             out.observe("distkv_directory_event_lag_seconds", {**base, "shard": str(shard)}, seconds)
         return not manager.closed
 

@@ -144,7 +144,8 @@ def join_cluster(plan: ReplicaPlan, pool: HostPool, local: LocalOffloadingManage
         store_policy=config.store_policy,
         promotion_timeout_s=config.promotion_timeout_s,
     )
-    link.report = manager.stats  # goes to the Directory with the link's heartbeats, for `distkv status`
+    # goes to the Directory with the link's heartbeats, for `distkv status`: plain dicts, as the shards keep reports
+    link.report = lambda: manager.stats().to_dict()
     metrics.register(metrics.ReplicaSource(manager))
     return manager
 

@@ -20,6 +20,9 @@ from typing import Any
 from distkv.errors import RECENT_ERRORS
 from distkv.metrics import DIRECTORY_SIZES
 from distkv.names import RAY_NAMESPACE, parse_agent_name, parse_shard_name, shard_name
+from distkv.stats import ReplicaStats
+
+logger = logging.getLogger(__name__)
 
 CALL_TIMEOUT_S = 10.0
 # what a replica entry takes from the replica's latest report (None before one came)
@@ -129,9 +132,10 @@ def _shard_entry(namespace: str, shard: int, stats: dict[str, Any]) -> dict[str,
 
 def merge_replicas(reported: Iterable[tuple[str, dict[str, Any]]]) -> list[dict[str, Any]]:
     """One entry per replica from what every shard of its namespace said of it: the keys it
-    holds summed over the shards, and the newest of its reports."""
+    holds summed over the shards, and the newest of its reports (`ReplicaStats.to_dict`;
+    one of another stats version counts as none)."""
     merged: dict[tuple[str, str], dict[str, Any]] = {}
-    reports: dict[tuple[str, str], dict[str, Any]] = {}
+    reports: dict[tuple[str, str], ReplicaStats] = {}
     for namespace, r in reported:
         key = (namespace, r["replica_id"])
         entry = merged.setdefault(key, {
@@ -143,25 +147,29 @@ def merge_replicas(reported: Iterable[tuple[str, dict[str, Any]]]) -> list[dict[
         })
         entry["directory_keys"] += r["keys"]
         entry["seen_s_ago"] = min(entry["seen_s_ago"], r["seen_s_ago"])
-        report = r["report"]
-        if report is not None and (key not in reports or report["time"] > reports[key]["time"]):
+        report = _read_report(r["report"])
+        if report is not None and (key not in reports or report.time > reports[key].time):
             reports[key] = report
     out = []
     for key, entry in sorted(merged.items()):
         report = reports.get(key)
-        entry["report_age_s"] = None if report is None else max(0.0, time.time() - report["time"])
-        entry["hit_rate"] = None if report is None else hit_rate(report["lookups"])
+        entry["report_age_s"] = None if report is None else max(0.0, time.time() - report.time)
+        entry["hit_rate"] = None if report is None else report.lookups.hit_rate
+        shown = None if report is None else report.to_dict()
         for name in REPORTED:
-            entry[name] = None if report is None else report[name]
+            entry[name] = None if shown is None else shown[name]
         out.append(entry)
     return out
 
 
-def hit_rate(lookups: dict[str, int]) -> float | None:
-    """Hits over hits and misses (retries are neither); None before any."""
-    hits = lookups["local_hit"] + lookups["remote_hit"]
-    total = hits + lookups["miss"]
-    return hits / total if total else None
+def _read_report(report: dict[str, Any] | None) -> ReplicaStats | None:
+    if report is None:
+        return None
+    try:
+        return ReplicaStats.from_dict(report)
+    except ValueError as e:
+        logger.warning("distkv status: a replica's report is unreadable: %s", e)
+        return None
 
 
 def _nodes(nodes: Sequence[dict[str, Any]], agents: set[str], replicas: list[dict[str, Any]]) -> list[dict[str, Any]]:

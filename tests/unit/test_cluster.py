@@ -281,10 +281,10 @@ def test_directory_learns_the_row_and_generation_of_each_stored_block(replicas):
 )
 def test_lookup_of_a_bad_key_names_it_and_counts_nothing(replicas, key, problem):
     a = replicas(FakeDirectory(), "node-1")
-    before = a.manager.stats()["lookups"]
+    before = a.manager.stats().lookups
     with pytest.raises(ValueError, match=problem):
         a.manager.lookup(key, ReqContext("bad"))
-    assert a.manager.stats()["lookups"] == before
+    assert a.manager.stats().lookups == before
 
 
 @pytest.mark.parametrize(
