@@ -85,7 +85,8 @@ def checksum(payload: np.ndarray) -> int:
 
 
 # Copies that also hash go a chunk at a time, so that the hash reads the bytes the copy
-# just left in a core's L2 (1 MiB here) rather than from memory a second time.
+# just left in a core's L2 rather than from memory a second time: a chunk well inside
+# the L2 of the cores distkv runs on (docs/benchmarks.md).
 COPY_CHUNK_BYTES = 256 << 10
 
 
@@ -600,11 +601,13 @@ class PoolReaders:
     The one way to read another replica's pool: a NodeAgent serves other nodes from it,
     the Promoter copies from it on the same node. Being no member, a reader never takes
     the replica's lock, so closing a mapping never removes the segment: that stays the
-    business of the replica's own processes (or of a reclaim once they are gone). Mapping a pool anew for every read costs a page fault
-    per page read and an munmap, as much CPU again as copying the rows out (34 against
-    16 ms per 128 MiB here). A pool whose segment was removed or replaced is closed at
-    its next read or by `prune`, as is one unread for `idle_s`, so that a mapping never
-    keeps a removed segment's memory for long. Thread-safe.
+    business of the replica's own processes (or of a reclaim once they are gone).
+
+    Pools stay mapped because mapping one anew for every read costs a page fault per page
+    read and an munmap, about as much CPU again as copying the rows out
+    (docs/benchmarks.md). A pool whose segment was removed or replaced is closed at its
+    next read or by `prune`, as is one unread for `idle_s`, so that a mapping never keeps
+    a removed segment's memory for long. Thread-safe.
     """
 
     def __init__(self, idle_s: float = 30.0) -> None:
