@@ -24,8 +24,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import ray  # noqa: E402
 
 from distkv.directory import DirectoryLink, ReplicaInfo, pack, shard_of  # noqa: E402
-from distkv.pool import segment_name  # noqa: E402
-from ray_actors.directory import RAY_NAMESPACE, get_or_create_shards, head_node_id, kill_shards  # noqa: E402
+from distkv.names import RAY_NAMESPACE, segment_name  # noqa: E402
+from ray_actors.directory import get_or_create_shards, head_node_id, kill_shards  # noqa: E402
 
 BATCH = 1000
 LANES_PER_SHARD = 2

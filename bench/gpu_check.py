@@ -97,7 +97,8 @@ def nixl_to_gpu() -> dict[str, Any]:
     import numpy as np
     import torch
 
-    from distkv.pool import PoolLayout, segment_name
+    from distkv.names import segment_name
+    from distkv.pool import PoolLayout
     from distkv.rdma import NixlAgent, RdmaUnavailable
 
     layout = PoolLayout(num_rows=128, num_ranks=1, slot_bytes=NIXL_BYTES // 128)

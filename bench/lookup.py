@@ -38,8 +38,9 @@ import ray  # noqa: E402
 
 from distkv.abstract import ReqContext, make_offload_key  # noqa: E402
 from distkv.cluster import ClusterOffloadingManager  # noqa: E402
+from distkv.names import RAY_NAMESPACE  # noqa: E402
 from distkv.spec import RayOffloadingSpec  # noqa: E402
-from ray_actors.directory import RAY_NAMESPACE, kill_shards  # noqa: E402
+from ray_actors.directory import kill_shards  # noqa: E402
 
 PAGE_BYTES = 4 << 10
 TARGET = 1.5

@@ -114,7 +114,7 @@ class BenchReplica:
             if all(answers):
                 break
             if False in answers:
-                recent = self.manager.stats()["recent_errors"][-3:]
+                recent = self.manager.stats().recent_errors[-3:]
                 raise RuntimeError(f"{answers.count(False)} of {len(keys)} promotions failed: {recent}")
             time.sleep(0.001 if len(keys) > 1 else 0)
         return time.perf_counter() - start, moved.get(transport, [0, 0, 0.0])[1] - before

@@ -431,7 +431,7 @@ def main() -> int:
 
     import ray
 
-    from ray_actors.directory import RAY_NAMESPACE
+    from distkv.names import RAY_NAMESPACE
 
     started = time.time()
     report: dict[str, Any] = {

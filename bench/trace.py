@@ -405,7 +405,7 @@ def main() -> None:
     if view_keys is not None:
         import ray
 
-        from ray_actors.directory import RAY_NAMESPACE
+        from distkv.names import RAY_NAMESPACE
 
         ray.init(address="local", num_cpus=2, object_store_memory=100 << 20, include_dashboard=False, namespace=RAY_NAMESPACE, log_to_driver=False)
     try:

@@ -31,7 +31,8 @@ from distkv.abstract import (
 )
 from distkv.handlers import make_handlers
 from distkv.handlers.cpu import flat_bytes
-from distkv.pool import HostPool, PoolLayout, PoolLoadStoreSpec, segment_name
+from distkv.names import segment_name
+from distkv.pool import HostPool, PoolLayout, PoolLoadStoreSpec
 
 
 def run_job(handler, job_id: int, spec) -> float:

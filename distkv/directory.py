@@ -24,8 +24,9 @@ from typing import Any, NamedTuple, Protocol
 
 from distkv.abstract import OffloadKey
 from distkv.manager import MIN_KEY_BYTES, check_keys, key_problem
-from distkv.metrics import MAX_OBSERVATIONS, ErrorLog
-from distkv.pool import MAX_KEY_BYTES, SEGMENT_PREFIX, segment_name
+from distkv.errors import ErrorLog
+from distkv.metrics import MAX_OBSERVATIONS
+from distkv.pool import MAX_KEY_BYTES
 from distkv.rdma import PoolEndpoint
 
 logger = logging.getLogger(__name__)
@@ -137,17 +138,6 @@ def check_namespace(serves: str, namespace: object, who: str) -> None:
     """
     if namespace != serves:
         raise ValueError(f"{who} serves cache namespace {serves!r} and refuses a call for namespace {namespace!r}")
-
-
-def check_pool_namespace(pool_name: object, namespace: object) -> None:
-    """Raise ValueError unless `pool_name` is a pool segment name of cache namespace `namespace`."""
-    if not isinstance(pool_name, str) or not pool_name.startswith(SEGMENT_PREFIX):
-        raise ValueError(f"{pool_name!r} is not a distkv pool segment name")
-    ns, _, replica = pool_name[len(SEGMENT_PREFIX):].partition("-")
-    if segment_name(ns, replica) != pool_name:  # segment_name names a bad namespace or replica
-        raise ValueError(f"{pool_name!r} is not a distkv pool segment name")
-    if ns != namespace:
-        raise ValueError(f"pool {pool_name!r} belongs to cache namespace {ns!r}, not to {namespace!r}")
 
 
 def shard_of(key: OffloadKey, num_shards: int) -> int:

@@ -17,40 +17,22 @@ from __future__ import annotations
 import logging
 import sys
 import threading
-import time
-from collections import deque
-from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass
 from typing import Any, Protocol
 
-from distkv.pool import SEGMENT_PREFIX
+from distkv.names import parse_segment_name
 
 logger = logging.getLogger(__name__)
 
 EXPORT_INTERVAL_S = 1.0
 # Histogram observations a component keeps for the exporter at most (older ones are dropped).
 MAX_OBSERVATIONS = 4096
-# Errors each component keeps with their messages, for `distkv status`.
-RECENT_ERRORS = 20
-MAX_ERROR_MESSAGE = 300
 
 COUNTER, GAUGE, HISTOGRAM = "counter", "gauge", "histogram"
 REPLICA_TAGS = ("namespace", "replica", "node")
 SHARD_TAGS = ("namespace", "shard", "node")
 PATHS = ("same_node", "cross_node")
-# The kinds of `distkv_errors`; docs/metrics.md says what each means.
-ERROR_KINDS = (
-    "promotion_no_holder",  # no holder whose pool this replica can read
-    "promotion_fetch",  # reading the holder's row failed
-    "promotion_timeout",
-    "promotion_stale",  # the holder's copy changed or did not check out
-    "promotion_error",  # an unexpected failure, of this promotion only
-    "store_rejected",  # no free or evictable row
-    "store_failed",
-    "load_failed",
-    "directory_publish",  # retried
-    "directory_poll",  # retried
-)
 
 LATENCY_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 LAG_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
@@ -331,68 +313,12 @@ def this_node() -> str:
     return ray.get_runtime_context().get_node_id() if ray is not None and ray.is_initialized() else ""
 
 
-# ---- errors --------------------------------------------------------------------------
-
-
-class ErrorLog:
-    """Errors by kind: a count of each and the last few with their messages. Thread-safe;
-    not for the hot path (the scheduler counts there in ints, and `sync` brings them in)."""
-
-    def __init__(self, keep: int = RECENT_ERRORS) -> None:
-        self._lock = threading.Lock()
-        self._counts: dict[str, int] = {}
-        self._recent: deque[tuple[float, str, str]] = deque(maxlen=keep)
-
-    def add(self, kind: str, message: str, count: int = 1) -> None:
-        _check_kind(kind)
-        with self._lock:
-            self._add(kind, message, count)
-
-    def sync(self, kind: str, total: int, message: str) -> None:
-        """Bring the count of `kind` up to `total`, kept elsewhere, noting the increase as an error."""
-        _check_kind(kind)
-        with self._lock:
-            new = total - self._counts.get(kind, 0)
-            if new > 0:
-                self._add(kind, f"{new} x {message}", new)
-
-    def _add(self, kind: str, message: str, count: int) -> None:
-        self._counts[kind] = self._counts.get(kind, 0) + count
-        self._recent.append((time.time(), kind, message[:MAX_ERROR_MESSAGE]))
-
-    def counts(self) -> dict[str, int]:
-        with self._lock:
-            return dict(self._counts)
-
-    def recent(self) -> list[tuple[float, str, str]]:
-        """(wall-clock time, kind, message) of the last errors, oldest first."""
-        with self._lock:
-            return list(self._recent)
-
-
-def _check_kind(kind: str) -> None:
-    if kind not in ERROR_KINDS:
-        raise ValueError(f"error kind {kind!r} is not one of {sorted(ERROR_KINDS)}")
-
-
-def merge_errors(logs: Iterable[ErrorLog], keep: int = RECENT_ERRORS) -> tuple[dict[str, int], list[tuple[float, str, str]]]:
-    """The counts of several logs summed, and their last `keep` errors, oldest first."""
-    counts: dict[str, int] = {}
-    recent: list[tuple[float, str, str]] = []
-    for log in logs:
-        for kind, n in log.counts().items():
-            counts[kind] = counts.get(kind, 0) + n
-        recent.extend(log.recent())
-    recent.sort()
-    return counts, recent[-keep:]
-
-
 # ---- sources -------------------------------------------------------------------------
 
 
 class ReplicaSource:
-    """A replica's scheduler side: its ClusterOffloadingManager's `stats()`, the promotion
-    latencies and Directory event lags observed since the last report."""
+    """A replica's scheduler side: its ClusterOffloadingManager's `stats()`, and the
+    observations it drained since the last report."""
 
     def __init__(self, manager: Any) -> None:
         self._manager = manager
@@ -400,50 +326,38 @@ class ReplicaSource:
     def collect(self, out: Collector) -> bool:
         manager = self._manager
         stats = manager.stats()
-        base = {"namespace": stats["namespace"], "replica": stats["replica"], "node": stats["node"]}
-        for outcome, n in stats["lookups"].items():
+        base = {"namespace": stats.namespace, "replica": stats.replica, "node": stats.node}
+        for outcome, n in asdict(stats.lookups).items():
             out.count("distkv_lookups", {**base, "outcome": outcome}, n)
-        promotions = stats["promotions"]
+        promotions = stats.promotions
         for path in PATHS:
             tags = {**base, "path": path}
-            out.count("distkv_promotions_started", tags, promotions["started"][path])
-            out.count("distkv_promotions_succeeded", tags, promotions["succeeded"][path])
-            out.count("distkv_promotions_failed", tags, promotions["failed"][path])
-            out.count("distkv_promotion_bytes", tags, promotions["bytes"][path])
-        out.gauge("distkv_promotions_in_flight", base, promotions["in_flight"])
-        for transport, moved in promotions["transports"].items():
-            out.count("distkv_transport_bytes", {**base, "transport": transport}, moved["bytes"])
-            out.count("distkv_transport_seconds", {**base, "transport": transport}, moved["seconds"])
-        for holder_node, rates in promotions["transport_rates"].items():
+            out.count("distkv_promotions_started", tags, promotions.started[path])
+            out.count("distkv_promotions_succeeded", tags, promotions.succeeded[path])
+            out.count("distkv_promotions_failed", tags, promotions.failed[path])
+            out.count("distkv_promotion_bytes", tags, promotions.bytes[path])
+        out.gauge("distkv_promotions_in_flight", base, promotions.in_flight)
+        for transport, moved in promotions.transports.items():
+            out.count("distkv_transport_bytes", {**base, "transport": transport}, moved.bytes)
+            out.count("distkv_transport_seconds", {**base, "transport": transport}, moved.seconds)
+        for holder_node, rates in promotions.transport_rates.items():
             for transport, rate in rates.items():
                 out.gauge("distkv_transport_rate_gbps", {**base, "holder_node": holder_node, "transport": transport}, rate / 1e9)
-        latencies = manager.promoter.latencies
-        while latencies:
-            path, seconds = latencies.popleft()
+        observed = manager.drain_observations()
+        for path, seconds in observed.promotion_latencies:
             out.observe("distkv_promotion_latency_seconds", {**base, "path": path}, seconds)
-        blocks = stats["blocks"]
-        out.count("distkv_blocks_stored", base, blocks["stored"])
-        out.count("distkv_blocks_evicted", base, blocks["evicted"])
-        for source, n in blocks["loaded"].items():
+        blocks = stats.blocks
+        out.count("distkv_blocks_stored", base, blocks.stored)
+        out.count("distkv_blocks_evicted", base, blocks.evicted)
+        for source, n in blocks.loaded.items():
             out.count("distkv_blocks_loaded", {**base, "source": source}, n)
-        out.gauge("distkv_pool_used_bytes", base, stats["pool"]["used_bytes"])
-        out.gauge("distkv_pool_capacity_bytes", base, stats["pool"]["capacity_bytes"])
-        for kind, n in stats["errors"].items():
+        out.gauge("distkv_pool_used_bytes", base, stats.pool.used_bytes)
+        out.gauge("distkv_pool_capacity_bytes", base, stats.pool.capacity_bytes)
+        for kind, n in stats.errors.items():
             out.count("distkv_errors", {**base, "kind": kind}, n)
-        lags = manager.link.event_lags
-        while lags:
-            shard, seconds = lags.popleft()
+        for shard, seconds in observed.event_lags:
             out.observe("distkv_directory_event_lag_seconds", {**base, "shard": str(shard)}, seconds)
         return not manager.closed
-
-
-def segment_owner(pool_name: str) -> tuple[str, str]:
-    """(namespace, replica) of a pool segment named by `distkv.pool.segment_name`; ("", name) for others."""
-    if pool_name.startswith(SEGMENT_PREFIX):
-        namespace, sep, replica = pool_name[len(SEGMENT_PREFIX):].partition("-")
-        if sep:
-            return namespace, replica
-    return "", pool_name
 
 
 class HandlerSource:
@@ -451,7 +365,7 @@ class HandlerSource:
 
     def __init__(self, handler: Any, node: str) -> None:
         self._handler = handler
-        namespace, replica = segment_owner(handler.pool.name)
+        namespace, replica = parse_segment_name(handler.pool.name) or ("", handler.pool.name)
         self._base = {"namespace": namespace, "replica": replica, "node": node}
         self._tags = {**self._base, "direction": "store" if handler.gpu_to_pool else "load", "rank": str(handler.rank)}
         self._last = (0, 0.0)

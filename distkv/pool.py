@@ -1,6 +1,6 @@
 """The host pool: one shared-memory segment per replica holding its offloaded blocks.
 
-Layout of the segment `/dev/shm/distkv-<namespace>-<replica>` (mode 0600):
+Layout of the segment `/dev/shm/distkv-<namespace>-<replica>` (mode 0600; `distkv.names`):
 
     page 0          superblock: magic, then the PoolLayout it was created with
     headers         num_ranks x num_rows headers of HEADER_BYTES, page-padded
@@ -28,7 +28,6 @@ import fcntl
 import logging
 import mmap
 import os
-import re
 import struct
 import threading
 import time
@@ -40,12 +39,12 @@ import numpy as np
 import xxhash
 
 from distkv.abstract import BlockIDsLoadStoreSpec, OffloadKey
+from distkv.names import SEGMENT_PREFIX
 
 logger = logging.getLogger(__name__)
 
 PAGE_BYTES = mmap.PAGESIZE
 SHM_DIR = "/dev/shm"
-SEGMENT_PREFIX = "distkv-"
 MAGIC = b"DISTKV\x00\x02"
 HEADER_BYTES = 128
 # cudaHostRegister fails on very large ranges; pin in pieces of at most this size.
@@ -60,7 +59,6 @@ _GEN, _SUM, _NBYTES, _KEYLEN, _FILLED = range(5)
 _HEADER_WORDS = struct.Struct("<5Q")
 _KEY_OFFSET = _HEADER_WORDS.size
 MAX_KEY_BYTES = HEADER_BYTES - _KEY_OFFSET
-_NAME_RE = re.compile(r"^[A-Za-z0-9_.]+$")
 # `filled` of a slot written whole: every sub-block
 ALL_SUB_BLOCKS = (1 << 64) - 1
 
@@ -87,7 +85,8 @@ def checksum(payload: np.ndarray) -> int:
 
 
 # Copies that also hash go a chunk at a time, so that the hash reads the bytes the copy
-# just left in a core's L2 (1 MiB here) rather than from memory a second time.
+# just left in a core's L2 rather than from memory a second time: a chunk well inside
+# the L2 of the cores distkv runs on (docs/benchmarks.md).
 COPY_CHUNK_BYTES = 256 << 10
 
 
@@ -222,15 +221,6 @@ class PoolLayout:
             return None
         rows, ranks, slot = np.frombuffer(raw[len(MAGIC) : len(MAGIC) + 24], dtype="<u8")
         return cls(int(rows), int(ranks), int(slot))
-
-
-def segment_name(namespace: str, replica: str) -> str:
-    for what, value in (("namespace", namespace), ("replica", replica)):
-        if not _NAME_RE.match(value):
-            raise ValueError(
-                f"pool {what} {value!r} may hold only letters, digits, '_' and '.'"
-            )
-    return f"{SEGMENT_PREFIX}{namespace}-{replica}"
 
 
 def pin_ranges(offset: int, num_rows: int, slot_bytes: int, max_piece: int = MAX_PIN_BYTES) -> list[tuple[int, int]]:
@@ -553,6 +543,48 @@ class HostPool:
         self.close()
 
 
+# Each asked-for row's metas, and the slots of the rows whose metas are not None, in the
+# order asked, as one (ranks, rows, slot_bytes) array (None when there are none): what a
+# NodeAgent's read answers.
+RowsRead = tuple[np.ndarray | None, list[list[Sealed] | None]]
+
+
+def read_rows(
+    pool: HostPool, rows: Sequence[int], keys: Sequence[OffloadKey], generations: Sequence[int]
+) -> RowsRead:
+    """The holder's side of a read from another node (a NodeAgent, from `PoolReaders`):
+    each row's metas as its headers said, and the slots of the rows sealed as
+    key@generation; a row that is not goes out as its None meta only.
+
+    The caller copies the array out (the NodeAgent: Ray, into the object store, as the
+    call's result). For consecutive rows of a one-rank pool the array is a view of the
+    pool, so the rows are copied once; others are gathered first (one contiguous array:
+    the object store's copy of many small arrays is several times slower). A row
+    rewritten after its header was read travels torn or as another block, and fails the
+    reader's check of every slot against the checksum in its meta: a miss, never data.
+    """
+    ranks = range(pool.layout.num_ranks)
+    metas: list[list[Sealed] | None] = []
+    for row, key, gen in zip(rows, keys, generations):
+        meta = [pool.sealed(rank, row, key, gen) for rank in ranks]
+        metas.append(None if None in meta else meta)
+    sealed = [row for row, meta in zip(rows, metas) if meta is not None]
+    if not sealed:
+        return None, metas
+    first = sealed[0]
+    if sealed == list(range(first, first + len(sealed))):
+        data = pool.payload[:, first : first + len(sealed)]
+        if not data.flags.c_contiguous:
+            data = np.ascontiguousarray(data)
+    else:
+        data = pool.payload[:, np.asarray(sealed, dtype=np.int64)]
+    return data, metas
+
+
+# how often the owner of a PoolReaders prunes it (closes the pools it no longer needs mapped)
+PRUNE_INTERVAL_S = 5.0
+
+
 class _Reading:
     __slots__ = ("pool", "users", "last_used", "retired")
 
@@ -566,11 +598,16 @@ class _Reading:
 class PoolReaders:
     """Other replicas' pools, opened to read (`member=False`) and kept mapped between reads.
 
-    What a NodeAgent serves from. Mapping a pool anew for every read costs a page fault
-    per page read and an munmap, as much CPU again as copying the rows out (34 against
-    16 ms per 128 MiB here). A pool whose segment was removed or replaced is closed at
-    its next read or by `prune`, as is one unread for `idle_s`, so that a mapping never
-    keeps a removed segment's memory for long. Thread-safe.
+    The one way to read another replica's pool: a NodeAgent serves other nodes from it,
+    the Promoter copies from it on the same node. Being no member, a reader never takes
+    the replica's lock, so closing a mapping never removes the segment: that stays the
+    business of the replica's own processes (or of a reclaim once they are gone).
+
+    Pools stay mapped because mapping one anew for every read costs a page fault per page
+    read and an munmap, about as much CPU again as copying the rows out
+    (docs/benchmarks.md). A pool whose segment was removed or replaced is closed at its
+    next read or by `prune`, as is one unread for `idle_s`, so that a mapping never keeps
+    a removed segment's memory for long. Thread-safe.
     """
 
     def __init__(self, idle_s: float = 30.0) -> None:

@@ -23,9 +23,11 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from distkv.abstract import OffloadKey
-from distkv.directory import Holder, ReplicaInfo, check_pool_namespace
-from distkv.metrics import MAX_OBSERVATIONS, ErrorLog
-from distkv.pool import HostPool, PoolLayout, Sealed
+from distkv.directory import Holder, ReplicaInfo
+from distkv.errors import ErrorLog
+from distkv.metrics import MAX_OBSERVATIONS
+from distkv.names import check_pool_namespace
+from distkv.pool import PRUNE_INTERVAL_S, HostPool, PoolLayout, PoolReaders, Sealed
 from distkv.transport import RowRead, Transfer, Transport
 
 logger = logging.getLogger(__name__)
@@ -112,6 +114,9 @@ class Promoter:
         self.latencies: deque[tuple[str, float]] = deque(maxlen=MAX_OBSERVATIONS)
         self.errors = ErrorLog()
         self._forget_gone_at = 0.0
+        # same-node holders' pools, mapped as readers: a promotion never unlinks a holder's segment
+        self._holder_pools = PoolReaders()
+        self._pruned_at = time.monotonic()
         self._thread = threading.Thread(target=self._run, name="distkv-promoter", daemon=True)
         self._thread.start()
 
@@ -143,6 +148,7 @@ class Promoter:
                     flight.transfer.cancel()
                     self._finish(flight.promotions, False, "cross_node")
                 self.transport.close()
+                self._holder_pools.close()
                 return
             if batch:
                 self._start(batch)
@@ -151,6 +157,9 @@ class Promoter:
                 self._forget_gone_at = time.monotonic() + self.FORGET_GONE_S
                 with self._failing([], None, "while forgetting holders that left"):
                     self.transport.forget_gone(self._replica_info)
+            if time.monotonic() - self._pruned_at > PRUNE_INTERVAL_S:
+                self._holder_pools.prune()
+                self._pruned_at = time.monotonic()
 
     def _take_batch(self) -> list[Promotion] | None:
         """Everything submitted so far, once something was submitted or a fetch completed.
@@ -234,24 +243,25 @@ class Promoter:
         try:
             # refused before anything is opened: a holder's info names any path it likes
             check_pool_namespace(info.pool_name, self._namespace)
-            holder_pool = HostPool(info.pool_name, layout_of(info), create=False)
+            with self._holder_pools.reading(info.pool_name, layout_of(info)) as holder_pool:
+                if holder_pool is None:
+                    raise FileNotFoundError(f"no pool segment {info.pool_name} with layout {layout_of(info)}")
+                for p in promotions:
+                    with self._failing([p], "same_node", f"from {info.replica_id}"):
+                        held = self._held_row(p, info)
+                        ok = self._write_local(
+                            p, lambda rank, out: holder_pool.read(rank, held.row, p.key, held.generation, out)
+                        )
+                        if ok:
+                            self.bytes_same_node += self._pool.layout.num_ranks * self._pool.layout.slot_bytes
+                        self._finish([p], ok, "same_node", None if ok else "promotion_stale", f"from {info.replica_id}")
         except Exception as e:
             logger.warning("promotion from %s: its pool %s cannot be read: %r", info.replica_id, info.pool_name, e)
-            self._finish(promotions, False, "same_node", "promotion_fetch", f"from {info.replica_id}: {e!r}")
-            return
-        try:
-            for p in promotions:
-                with self._failing([p], "same_node", f"from {info.replica_id}"):
-                    held = self._held_row(p, info)
-                    ok = self._write_local(
-                        p, lambda rank, out: holder_pool.read(rank, held.row, p.key, held.generation, out)
-                    )
-                    if ok:
-                        self.bytes_same_node += self._pool.layout.num_ranks * self._pool.layout.slot_bytes
-                    self._finish([p], ok, "same_node", None if ok else "promotion_stale", f"from {info.replica_id}")
+            unread = [p for p in promotions if not p.ended]
+            if unread:
+                self._finish(unread, False, "same_node", "promotion_fetch", f"from {info.replica_id}: {e!r}")
         finally:
             self.seconds_same_node += time.perf_counter() - started
-            holder_pool.close()
 
     def _collect(self) -> None:
         now = time.monotonic()

@@ -11,7 +11,8 @@ from distkv.abstract import CanonicalKVCaches, LoadStoreSpec, OffloadingHandler,
 from distkv.config import DistkvConfig, cache_namespace
 from distkv.handlers import make_handlers
 from distkv.manager import LocalOffloadingManager
-from distkv.pool import HostPool, PoolLayout, segment_name
+from distkv.names import segment_name
+from distkv.pool import HostPool, PoolLayout
 
 if TYPE_CHECKING:
     from distkv.cluster import ClusterOffloadingManager
@@ -108,9 +109,10 @@ def join_cluster(plan: ReplicaPlan, pool: HostPool, local: LocalOffloadingManage
     from distkv import metrics
     from distkv.cluster import ClusterOffloadingManager
     from distkv.directory import DirectoryLink, ReplicaInfo
+    from distkv.names import RAY_NAMESPACE
     from distkv.promotion import Promoter
     from distkv.transport import ObjectStoreTransport
-    from ray_actors.node_agent import RAY_NAMESPACE, AgentFetch, start_node_agent
+    from ray_actors.node_agent import AgentFetch, start_node_agent
 
     config = plan.config
     transport = node_transports(config.transport, pool, ObjectStoreTransport(pool, AgentFetch(plan.namespace)))
@@ -142,7 +144,8 @@ def join_cluster(plan: ReplicaPlan, pool: HostPool, local: LocalOffloadingManage
         store_policy=config.store_policy,
         promotion_timeout_s=config.promotion_timeout_s,
     )
-    link.report = manager.stats  # goes to the Directory with the link's heartbeats, for `distkv status`
+    # goes to the Directory with the link's heartbeats, for `distkv status`: plain dicts, as the shards keep reports
+    link.report = lambda: manager.stats().to_dict()
     metrics.register(metrics.ReplicaSource(manager))
     return manager
 

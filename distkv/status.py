@@ -1,7 +1,7 @@
 """`distkv status`: the nodes, replicas, Directory shards and recent errors of a Ray cluster.
 
 Finds every Directory shard (the named actors `directory-<namespace>-<i>` in Ray namespace
-`distkv`) and asks each for its sizes and its registered replicas. Each replica's
+`distkv`: `distkv.names`) and asks each for its sizes and its registered replicas. Each replica's
 DirectoryLink sends the replica's counts along with its heartbeat (every 0.5 s), so what is
 shown is at most about a second old. Exits 1 when a shard does not answer.
 """
@@ -11,20 +11,22 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import re
 import socket
 import sys
 import time
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from distkv.metrics import DIRECTORY_SIZES, RECENT_ERRORS
+from distkv.errors import RECENT_ERRORS
+from distkv.metrics import DIRECTORY_SIZES
+from distkv.names import RAY_NAMESPACE, parse_agent_name, parse_shard_name, shard_name
+from distkv.stats import ReplicaStats
+
+logger = logging.getLogger(__name__)
 
 CALL_TIMEOUT_S = 10.0
 # what a replica entry takes from the replica's latest report (None before one came)
 REPORTED = ("lookups", "promotions", "blocks", "pool", "errors", "recent_errors")
-_SHARD_NAME = re.compile(r"^directory-(.+)-(\d+)$")
-_AGENT_PREFIX = "node-agent-"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -36,8 +38,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     import ray
-
-    from ray_actors.directory import RAY_NAMESPACE
 
     connect = not ray.is_initialized()
     if connect:
@@ -77,16 +77,14 @@ def collect(timeout_s: float = CALL_TIMEOUT_S) -> dict[str, Any]:
     import ray
     from ray.exceptions import GetTimeoutError
 
-    from ray_actors.directory import RAY_NAMESPACE
-
     names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["namespace"] == RAY_NAMESPACE]
-    agents = {name[len(_AGENT_PREFIX):] for name in names if name.startswith(_AGENT_PREFIX)}
-    shards = sorted((m.group(1), int(m.group(2))) for m in map(_SHARD_NAME.match, names) if m)
+    agents = {node for node in map(parse_agent_name, names) if node is not None}
+    shards = sorted(shard for shard in map(parse_shard_name, names) if shard is not None)
 
     calls: dict[tuple[str, int], tuple[Any, Any] | str] = {}
     for namespace, shard in shards:
         try:
-            actor = ray.get_actor(f"directory-{namespace}-{shard}", namespace=RAY_NAMESPACE)
+            actor = ray.get_actor(shard_name(namespace, shard), namespace=RAY_NAMESPACE)
             calls[namespace, shard] = (actor.stats.remote(), actor.replicas.remote())
         except Exception as e:  # gone since it was listed
             calls[namespace, shard] = f"{type(e).__name__}: {e}"
@@ -134,9 +132,10 @@ def _shard_entry(namespace: str, shard: int, stats: dict[str, Any]) -> dict[str,
 
 def merge_replicas(reported: Iterable[tuple[str, dict[str, Any]]]) -> list[dict[str, Any]]:
     """One entry per replica from what every shard of its namespace said of it: the keys it
-    holds summed over the shards, and the newest of its reports."""
+    holds summed over the shards, and the newest of its reports (`ReplicaStats.to_dict`;
+    one of another stats version counts as none)."""
     merged: dict[tuple[str, str], dict[str, Any]] = {}
-    reports: dict[tuple[str, str], dict[str, Any]] = {}
+    reports: dict[tuple[str, str], ReplicaStats] = {}
     for namespace, r in reported:
         key = (namespace, r["replica_id"])
         entry = merged.setdefault(key, {
@@ -148,25 +147,29 @@ def merge_replicas(reported: Iterable[tuple[str, dict[str, Any]]]) -> list[dict[
         })
         entry["directory_keys"] += r["keys"]
         entry["seen_s_ago"] = min(entry["seen_s_ago"], r["seen_s_ago"])
-        report = r["report"]
-        if report is not None and (key not in reports or report["time"] > reports[key]["time"]):
+        report = _read_report(r["report"])
+        if report is not None and (key not in reports or report.time > reports[key].time):
             reports[key] = report
     out = []
     for key, entry in sorted(merged.items()):
         report = reports.get(key)
-        entry["report_age_s"] = None if report is None else max(0.0, time.time() - report["time"])
-        entry["hit_rate"] = None if report is None else hit_rate(report["lookups"])
+        entry["report_age_s"] = None if report is None else max(0.0, time.time() - report.time)
+        entry["hit_rate"] = None if report is None else report.lookups.hit_rate
+        shown = None if report is None else report.to_dict()
         for name in REPORTED:
-            entry[name] = None if report is None else report[name]
+            entry[name] = None if shown is None else shown[name]
         out.append(entry)
     return out
 
 
-def hit_rate(lookups: dict[str, int]) -> float | None:
-    """Hits over hits and misses (retries are neither); None before any."""
-    hits = lookups["local_hit"] + lookups["remote_hit"]
-    total = hits + lookups["miss"]
-    return hits / total if total else None
+def _read_report(report: dict[str, Any] | None) -> ReplicaStats | None:
+    if report is None:
+        return None
+    try:
+        return ReplicaStats.from_dict(report)
+    except ValueError as e:
+        logger.warning("distkv status: a replica's report is unreadable: %s", e)
+        return None
 
 
 def _nodes(nodes: Sequence[dict[str, Any]], agents: set[str], replicas: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -27,7 +27,7 @@ import numpy as np
 
 from distkv.abstract import OffloadKey
 from distkv.directory import ReplicaInfo
-from distkv.pool import HEADER_BYTES, HostPool, PoolLayout, Sealed, check_landed, copy_checksum
+from distkv.pool import HEADER_BYTES, HostPool, PoolLayout, RowsRead, Sealed, check_landed, copy_checksum
 from distkv.rdma import NixlAgent, PoolEndpoint, ReadQueue
 
 # Per read, each rank's header as the holder sealed it; None: not to be used.
@@ -98,43 +98,8 @@ class Transport(ABC):
 
 # ---- through the object store -------------------------------------------------------
 
-# Each asked-for row's metas, and the slots of the rows whose metas are not None, in the
-# order asked, as one (ranks, rows, slot_bytes) array (None when there are none): what a
-# NodeAgent's read answers.
-RowsRead = tuple[np.ndarray | None, list[list[Sealed] | None]]
 # fetch(holder's replica info, rows, keys, generations) -> future of RowsRead
-RemoteFetch = Callable[[ReplicaInfo, list[int], list[OffloadKey], list[int]], "Future[RowsRead]"]
-
-
-def read_rows(
-    pool: HostPool, rows: Sequence[int], keys: Sequence[OffloadKey], generations: Sequence[int]
-) -> RowsRead:
-    """The holder's side (a NodeAgent): each row's metas as its headers said, and the slots
-    of the rows sealed as key@generation; a row that is not goes out as its None meta only.
-
-    The caller copies the array out (the NodeAgent: Ray, into the object store, as the
-    call's result). For consecutive rows of a one-rank pool the array is a view of the
-    pool, so the rows are copied once; others are gathered first (one contiguous array:
-    the object store's copy of many small arrays is several times slower). A row
-    rewritten after its header was read travels torn or as another block, and fails the
-    reader's check of every slot against the checksum in its meta: a miss, never data.
-    """
-    ranks = range(pool.layout.num_ranks)
-    metas: list[list[Sealed] | None] = []
-    for row, key, gen in zip(rows, keys, generations):
-        meta = [pool.sealed(rank, row, key, gen) for rank in ranks]
-        metas.append(None if None in meta else meta)
-    sealed = [row for row, meta in zip(rows, metas) if meta is not None]
-    if not sealed:
-        return None, metas
-    first = sealed[0]
-    if sealed == list(range(first, first + len(sealed))):
-        data = pool.payload[:, first : first + len(sealed)]
-        if not data.flags.c_contiguous:
-            data = np.ascontiguousarray(data)
-    else:
-        data = pool.payload[:, np.asarray(sealed, dtype=np.int64)]
-    return data, metas
+RemoteFetch = Callable[[ReplicaInfo, list[int], list[OffloadKey], list[int]], Future[RowsRead]]
 
 
 def shipped_index(metas: Sequence[list[Sealed] | None]) -> list[int | None]:

@@ -23,15 +23,14 @@ from distkv.directory import (
     DirectoryState,
     ReplicaInfo,
     check_namespace,
-    check_pool_namespace,
     check_stored,
     pack,
     unpack,
 )
+from distkv.names import RAY_NAMESPACE, check_pool_namespace, parse_shard_name, shard_name
 
 logger = logging.getLogger(__name__)
 
-RAY_NAMESPACE = "distkv"
 # How often a shard reads Ray's node table to drop the holders on dead nodes.
 NODE_POLL_S = 1.0
 # A replica not heard from for this long is dropped; links heartbeat every 0.5 s.
@@ -155,10 +154,6 @@ class DirectoryShard:
             self._notify(before)
 
 
-def shard_name(namespace: str, shard: int) -> str:
-    return f"directory-{namespace}-{shard}"
-
-
 def head_node_id() -> str:
     """The Ray node id of the cluster's head node."""
     for node in ray.nodes():
@@ -198,11 +193,11 @@ def get_or_create_shards(
 
 def kill_shards(namespace: str) -> int:
     """Kill every shard of `namespace`'s Directory for good; how many there were."""
-    prefix = shard_name(namespace, 0)[:-1]
     killed = 0
     for actor in ray.util.list_named_actors(all_namespaces=True):
         name = actor["name"]
-        if actor["namespace"] == RAY_NAMESPACE and name.startswith(prefix) and name[len(prefix):].isdigit():
+        parsed = parse_shard_name(name) if actor["namespace"] == RAY_NAMESPACE else None
+        if parsed is not None and parsed[0] == namespace:
             try:
                 ray.kill(ray.get_actor(name, namespace=RAY_NAMESPACE), no_restart=True)
                 killed += 1

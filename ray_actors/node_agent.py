@@ -11,13 +11,10 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from distkv import metrics
 from distkv.abstract import OffloadKey
-from distkv.directory import ReplicaInfo, check_pool_namespace
-from distkv.pool import PoolLayout, PoolReaders
-from distkv.transport import RowsRead, read_rows
+from distkv.directory import ReplicaInfo
+from distkv.names import RAY_NAMESPACE, agent_name, check_pool_namespace
+from distkv.pool import PRUNE_INTERVAL_S, PoolLayout, PoolReaders, RowsRead, read_rows
 
-RAY_NAMESPACE = "distkv"
-# how often a NodeAgent closes the pools it no longer needs mapped (see PoolReaders)
-PRUNE_INTERVAL_S = 5.0
 
 
 @ray.remote(num_cpus=0, max_concurrency=8)
@@ -48,7 +45,7 @@ class NodeAgent:
         namespace: str,
     ) -> RowsRead:
         """The rows' slots as one (ranks, rows, slot_bytes) array, and each row's metas;
-        (None, [None, ...]) if the pool is gone. See `distkv.transport.read_rows`.
+        (None, [None, ...]) if the pool is gone. See `distkv.pool.read_rows`.
 
         Refuses (ValueError) a pool that is not a distkv segment of cache `namespace`, and
         a layout that is not one.
@@ -71,10 +68,6 @@ class NodeAgent:
 
     def node_id(self) -> str:
         return ray.get_runtime_context().get_node_id()
-
-
-def agent_name(node_id: str) -> str:
-    return f"node-agent-{node_id}"
 
 
 def start_node_agent(node_id: str) -> ray.actor.ActorHandle:

@@ -16,6 +16,7 @@ import ray
 from distkv.abstract import ReqContext
 from distkv.harness import Replica
 from distkv.spec import RayOffloadingSpec
+from distkv.stats import ReplicaStats
 
 
 @ray.remote(num_cpus=0)
@@ -71,7 +72,7 @@ class ReplicaActor:
         """Cross-node promotions by transport: [blocks, bytes, seconds] (see Promoter.transported)."""
         return dict(self.replica.manager.promoter.transported)
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> ReplicaStats:
         """The manager's counts (see ClusterOffloadingManager.stats)."""
         return self.replica.manager.stats()
 

@@ -45,10 +45,10 @@ from distkv.demo.engine import demo_spec
 from distkv.demo.model import ModelConfig
 from distkv.demo.runner import token_auth_on
 from distkv.demo.workload import WorkloadConfig, generate
-from distkv.pool import SEGMENT_PREFIX, reclaim_stale_segments
+from distkv.names import RAY_NAMESPACE, SEGMENT_PREFIX, agent_name
+from distkv.pool import reclaim_stale_segments
 from ray_actors.demo_replica import DemoReplicaActor
 from ray_actors.directory import get_or_create_shards, kill_shards
-from ray_actors.node_agent import RAY_NAMESPACE, agent_name
 
 MiB = 1 << 20
 FAULTS = ("kill_node_agent", "kill_directory", "stall_directory", "kill_replica")

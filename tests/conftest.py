@@ -11,7 +11,7 @@ def kill_named_actors() -> None:
     """Kill distkv's detached actors, which would otherwise outlive the test module that made them."""
     import ray
 
-    from ray_actors.directory import RAY_NAMESPACE
+    from distkv.names import RAY_NAMESPACE
 
     for actor in ray.util.list_named_actors(all_namespaces=True):
         if actor["namespace"] == RAY_NAMESPACE:
@@ -26,7 +26,7 @@ def ray_session():
     """One local Ray for the test module, torn down with its actors after it."""
     import ray
 
-    from ray_actors.directory import RAY_NAMESPACE
+    from distkv.names import RAY_NAMESPACE
 
     ray.init(
         address="local",
@@ -48,7 +48,7 @@ def ray_with_dashboard():
     yielded) and metrics reported to the node's metrics agent every second."""
     import ray
 
-    from ray_actors.directory import RAY_NAMESPACE
+    from distkv.names import RAY_NAMESPACE
 
     context = ray.init(
         address="local",

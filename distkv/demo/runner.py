@@ -198,7 +198,7 @@ class Demo:
         return len(self.node_ids)
 
     def start(self) -> None:
-        from ray_actors.node_agent import RAY_NAMESPACE
+        from distkv.names import RAY_NAMESPACE
 
         if self.args.address:
             context = ray.init(address=self.args.address, namespace=RAY_NAMESPACE)
@@ -324,8 +324,8 @@ class Demo:
             signal.signal(signal.SIGINT, previous)
 
     def _stop_actors(self) -> None:
+        from distkv.names import RAY_NAMESPACE, agent_name
         from ray_actors.directory import kill_shards
-        from ray_actors.node_agent import RAY_NAMESPACE, agent_name
 
         for ref in self.pending:
             ray.cancel(ref)
@@ -345,7 +345,7 @@ class Demo:
 
     @staticmethod
     def _named_actors() -> set[str]:
-        from ray_actors.node_agent import RAY_NAMESPACE
+        from distkv.names import RAY_NAMESPACE
 
         return {a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["namespace"] == RAY_NAMESPACE}
 

@@ -27,7 +27,8 @@ from workload import (
 
 from distkv.directory import ReplicaInfo, pack, unpack
 from distkv.harness import block_keys
-from distkv.pool import PoolLayout, reclaim_stale_segments, segment_name
+from distkv.names import segment_name
+from distkv.pool import PoolLayout, reclaim_stale_segments
 from ray_actors.directory import get_or_create_shards, kill_shards
 
 
@@ -69,7 +70,7 @@ def test_node_agent_killed_during_promotions(cluster, make_workload, long_run):
     baseline, threads = steady(w, d["baseline"])
     def cross_node() -> dict:
         stats = ray.get([a.stats.remote() for a in w.actors.values()], timeout=30)
-        return {k: sum(s["promotions"][k]["cross_node"] for s in stats) for k in ("succeeded", "failed")}
+        return {k: sum(getattr(s.promotions, k)["cross_node"] for s in stats) for k in ("succeeded", "failed")}
 
     before = cross_node()
     assert before["succeeded"] > 0, "no cross-node promotion before the fault: nothing for the agents to serve"
@@ -120,7 +121,7 @@ def test_holder_sigkilled_during_nixl_reads(cluster, make_workload, long_run):
 
     def by_nixl() -> int:
         stats = ray.get([w.actors[n].stats.remote() for n in ("c", "d")], timeout=30)
-        return sum(s["promotions"]["transports"].get("nixl", {}).get("blocks", 0) for s in stats)
+        return sum(s.promotions.transports["nixl"].blocks for s in stats if "nixl" in s.promotions.transports)
 
     before = by_nixl()
     assert before > 0, "no block came by NIXL before the fault"
@@ -300,7 +301,7 @@ def test_pool_full_under_load(cluster, make_workload, long_run):
     w.run(d["baseline"] * 2)
     fault_end = time.time()
     w.request = normal
-    rejected = sum(s["errors"].get("store_rejected", 0) for s in ray.get([a.stats.remote() for a in w.actors.values()]))
+    rejected = sum(s.errors.get("store_rejected", 0) for s in ray.get([a.stats.remote() for a in w.actors.values()]))
     w.run_until_recovered(baseline, fault_end)
     out = w.outcome("pool full under load", fault_start, fault_end, baseline, threads)
     out.notes.append(f"{rejected} stores found the pool full")

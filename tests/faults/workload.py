@@ -28,10 +28,9 @@ from ray._private import internal_api
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from distkv.harness import Replica
-from distkv.pool import SEGMENT_PREFIX
+from distkv.names import RAY_NAMESPACE, SEGMENT_PREFIX, agent_name
 from distkv.spec import RayOffloadingSpec
-from ray_actors.directory import RAY_NAMESPACE, get_or_create_shards, kill_shards
-from ray_actors.node_agent import agent_name
+from ray_actors.directory import get_or_create_shards, kill_shards
 
 # Workers cannot import this module (tests/faults is not on their path): ship it by value.
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])

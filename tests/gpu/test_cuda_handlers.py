@@ -21,12 +21,12 @@ from distkv.abstract import (  # noqa: E402
     GPULoadStoreSpec,
 )
 from distkv.handlers import make_handlers  # noqa: E402
+from distkv.names import segment_name  # noqa: E402
 from distkv.pool import (  # noqa: E402
     PAGE_BYTES,
     HostPool,
     PoolLayout,
     PoolLoadStoreSpec,
-    segment_name,
 )
 
 pytestmark = pytest.mark.gpu

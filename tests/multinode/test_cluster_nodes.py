@@ -18,10 +18,9 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from distkv.directory import unpack
 from distkv.harness import block_keys
-from distkv.pool import SEGMENT_PREFIX, segment_name
+from distkv.names import RAY_NAMESPACE, SEGMENT_PREFIX, agent_name, segment_name
 from distkv.spec import RayOffloadingSpec
-from ray_actors.directory import RAY_NAMESPACE, get_or_create_shards, kill_shards
-from ray_actors.node_agent import agent_name
+from ray_actors.directory import get_or_create_shards, kill_shards
 from ray_actors.replica import ReplicaActor
 
 BLOCK_TOKENS = 16

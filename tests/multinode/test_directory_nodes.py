@@ -6,7 +6,7 @@ import ray
 from clusters import simulated_cluster
 
 from distkv.directory import DirectoryLink, ReplicaInfo, pack
-from distkv.pool import segment_name
+from distkv.names import segment_name
 from ray_actors.directory import get_or_create_shards, head_node_id, kill_shards
 
 MB = 1024**2

@@ -10,10 +10,10 @@ import ray
 
 from distkv.abstract import ReqContext
 from distkv.harness import Replica, block_keys
-from distkv.pool import SEGMENT_PREFIX
+from distkv.names import RAY_NAMESPACE, SEGMENT_PREFIX, agent_name
 from distkv.spec import RayOffloadingSpec
 from ray_actors.directory import get_or_create_shards, kill_shards
-from ray_actors.node_agent import PRUNE_INTERVAL_S, RAY_NAMESPACE, agent_name
+from ray_actors.node_agent import PRUNE_INTERVAL_S
 
 BLOCK_TOKENS = 16
 PAGE_BYTES = 32 << 10

@@ -20,9 +20,9 @@ import pytest
 import ray
 
 from distkv.harness import Replica
+from distkv.names import agent_name, shard_name
 from distkv.spec import RayOffloadingSpec
-from ray_actors.directory import get_or_create_shards, kill_shards, shard_name
-from ray_actors.node_agent import agent_name
+from ray_actors.directory import get_or_create_shards, kill_shards
 
 CHROMIUM = "/usr/bin/chromium"
 ARTIFACTS = Path(__file__).resolve().parents[1] / "artifacts"

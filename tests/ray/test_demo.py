@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from distkv.pool import SEGMENT_PREFIX
+from distkv.names import SEGMENT_PREFIX
 
 SMALL = [
     "--replicas", "2", "--nodes", "2", "--requests", "24", "--system-prompts", "2", "--system-tokens", "64",

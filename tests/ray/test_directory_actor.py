@@ -7,7 +7,7 @@ import pytest
 import ray
 
 from distkv.directory import PROMOTED_FLUSH_DELAY_S, DirectoryLink, Holder, ReplicaInfo, pack, shard_of, unpack
-from distkv.pool import segment_name
+from distkv.names import segment_name
 from ray_actors.directory import get_or_create_shards, kill_shards
 
 pytestmark = pytest.mark.usefixtures("ray_session")

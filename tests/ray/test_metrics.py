@@ -8,6 +8,7 @@ the agent, through Ray's metrics agent.
 import time
 import urllib.request
 import uuid
+from dataclasses import asdict
 
 import numpy as np
 import pytest
@@ -17,9 +18,10 @@ from prometheus_client.parser import text_string_to_metric_families
 from distkv.abstract import ReqContext
 from distkv.harness import Replica, block_keys
 from distkv.metrics import METRICS
+from distkv.names import RAY_NAMESPACE, agent_name
 from distkv.spec import RayOffloadingSpec
-from ray_actors.directory import RAY_NAMESPACE, kill_shards
-from ray_actors.node_agent import agent_name
+from distkv.stats import LookupCounts
+from ray_actors.directory import kill_shards
 
 BLOCK_TOKENS = 16
 PAGE_BYTES = 32 << 10
@@ -125,20 +127,20 @@ def test_metrics_endpoint_serves_what_the_workload_did(replicas):
     ray.get(agent.read_rows.remote(a.spec.pool_name + "_gone", layout, rows[:2], keys[:2], gens[:2], namespace=a.spec.namespace))
 
     sa, sb = a.manager.stats(), b.manager.stats()
-    assert sa["lookups"] == {"local_hit": 32, "remote_hit": 0, "miss": 1, "retry": 0}
-    lookups_b = sb["lookups"]
+    assert sa.lookups == LookupCounts(local_hit=32, remote_hit=0, miss=1, retry=0)
+    lookups_b = sb.lookups
     # the 32 lookups that started promotions are remote hits; the scans while they ran answered
     # retry or (once a block was in) a local hit, as do the 32 of the second serve
-    assert lookups_b["remote_hit"] == 32 and lookups_b["miss"] == 1
-    assert lookups_b["local_hit"] + lookups_b["retry"] == 32 * promoted.retries + 32
-    assert sb["blocks"]["evicted"] == 16
+    assert lookups_b.remote_hit == 32 and lookups_b.miss == 1
+    assert lookups_b.local_hit + lookups_b.retry == 32 * promoted.retries + 32
+    assert sb.blocks.evicted == 16
 
     ta = {"namespace": namespace, "replica": a.spec.replica_id, "node": node}
     tb = {**ta, "replica": b.spec.replica_id}
     shard = {"namespace": namespace, "shard": "0", "node": node}
     expected = {
-        **{series("ray_distkv_lookups_total", **ta, outcome=o): n for o, n in sa["lookups"].items() if n},
-        **{series("ray_distkv_lookups_total", **tb, outcome=o): n for o, n in lookups_b.items() if n},
+        **{series("ray_distkv_lookups_total", **ta, outcome=o): n for o, n in asdict(sa.lookups).items() if n},
+        **{series("ray_distkv_lookups_total", **tb, outcome=o): n for o, n in asdict(lookups_b).items() if n},
         series("ray_distkv_blocks_stored_total", **ta): 32,
         series("ray_distkv_blocks_stored_total", **tb): 32,
         series("ray_distkv_blocks_evicted_total", **tb): 16,

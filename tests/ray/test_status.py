@@ -84,13 +84,13 @@ def test_status_shows_what_the_replicas_count(sharing, cluster, capsys):
     a_id = a.spec.replica_id
     wait_for(lambda: all(a_id in h for h in ray.get(b.holders.remote(keys))), "A's blocks in B's view")
     assert ray.get(b.serve.remote(tokens))["hit_blocks"] == 32  # across nodes, from A
-    b_id = ray.get(b.stats.remote())["replica"]
+    b_id = ray.get(b.stats.remote()).replica
     wait_for(lambda: all(b_id in h for h in ray.get(c.holders.remote(keys))), "B's blocks in C's view")
     assert ray.get(c.serve.remote(tokens))["hit_blocks"] == 32  # on its node, from B
     too_big = block_keys(np.arange((POOL_BLOCKS + 1) * BLOCK_TOKENS), BLOCK_TOKENS)
     assert a.manager.prepare_store(too_big, ReqContext("too-big")) is None  # an error to show
 
-    own = {a_id: a.manager.stats(), **{s["replica"]: s for s in ray.get([b.stats.remote(), c.stats.remote()])}}
+    own = {s.replica: s.to_dict() for s in [a.manager.stats(), *ray.get([b.stats.remote(), c.stats.remote()])]}
     c_id = next(r for r in own if r not in (a_id, b_id))
     assert own[b_id]["promotions"]["succeeded"] == {"same_node": 0, "cross_node": 32}
     assert own[c_id]["promotions"]["succeeded"] == {"same_node": 32, "cross_node": 0}

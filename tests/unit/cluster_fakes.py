@@ -3,7 +3,7 @@
 import collections
 
 from distkv.directory import Holder, ReplicaInfo
-from distkv.metrics import ErrorLog
+from distkv.errors import ErrorLog
 
 
 class FakeDirectory:

@@ -18,7 +18,8 @@ from distkv.cluster import ClusterOffloadingManager
 from distkv.directory import ReplicaInfo
 from distkv.harness import block_keys
 from distkv.manager import LocalOffloadingManager
-from distkv.pool import HostPool, PoolLayout, segment_name
+from distkv.names import segment_name
+from distkv.pool import HostPool, PoolLayout
 from distkv.promotion import Promoter
 from distkv.transport import ObjectStoreTransport
 

@@ -20,9 +20,9 @@ from cluster_fakes import FakeDirectory, FakeLink
 from distkv.cluster import ClusterOffloadingManager
 from distkv.directory import ReplicaInfo
 from distkv.harness import Replica, block_keys
-from distkv.pool import HostPool
+from distkv.pool import HostPool, read_rows
 from distkv.promotion import Promoter, layout_of
-from distkv.transport import ObjectStoreTransport, read_rows
+from distkv.transport import ObjectStoreTransport
 from distkv.spec import LocalOffloadingSpec
 
 BLOCK_TOKENS = 16
@@ -281,10 +281,10 @@ def test_directory_learns_the_row_and_generation_of_each_stored_block(replicas):
 )
 def test_lookup_of_a_bad_key_names_it_and_counts_nothing(replicas, key, problem):
     a = replicas(FakeDirectory(), "node-1")
-    before = a.manager.stats()["lookups"]
+    before = a.manager.stats().lookups
     with pytest.raises(ValueError, match=problem):
         a.manager.lookup(key, ReqContext("bad"))
-    assert a.manager.stats()["lookups"] == before
+    assert a.manager.stats().lookups == before
 
 
 @pytest.mark.parametrize(

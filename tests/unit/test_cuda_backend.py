@@ -18,7 +18,8 @@ from handler_jobs import keys, run
 
 from distkv.abstract import CanonicalKVCacheRef, CanonicalKVCaches, CanonicalKVCacheTensor, GPULoadStoreSpec
 from distkv.handlers import CopyPlanner, CpuCopyBackend, CudaCopyBackend, LoadHandler, PinnedRegion, SlotLayout, StoreHandler
-from distkv.pool import PAGE_BYTES, HostPool, PoolLayout, PoolLoadStoreSpec, segment_name
+from distkv.names import segment_name
+from distkv.pool import PAGE_BYTES, HostPool, PoolLayout, PoolLoadStoreSpec
 
 DEVICE = 3  # not 0, so that a copy or event on torch's default device shows
 RANK = 1  # not 0, so that the rank's offset in the pool counts

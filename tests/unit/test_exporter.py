@@ -9,6 +9,7 @@ import collections
 import time
 import uuid
 from concurrent.futures import Future
+from dataclasses import asdict
 
 import numpy as np
 import pytest
@@ -23,18 +24,16 @@ from distkv.harness import Replica, block_keys
 from distkv.metrics import (
     METRICS,
     DirectorySource,
-    ErrorLog,
     Exporter,
     HandlerSource,
     NodeAgentSource,
     ReplicaSource,
-    merge_errors,
-    segment_owner,
 )
-from distkv.pool import ALL_SUB_BLOCKS, HostPool, Sealed, segment_name
+from distkv.pool import ALL_SUB_BLOCKS, HostPool, Sealed, read_rows
 from distkv.promotion import Promoter, layout_of
-from distkv.transport import ObjectStoreTransport, read_rows
+from distkv.transport import ObjectStoreTransport
 from distkv.spec import LocalOffloadingSpec
+from distkv.stats import BlockCounts, LookupCounts, PoolUsage
 
 BLOCK_TOKENS = 16
 PAGE_BYTES = 16 << 10
@@ -175,38 +174,6 @@ def test_definitions_are_well_formed():
     assert METRICS["distkv_promotion_latency_seconds"].series[0] == "ray_distkv_promotion_latency_seconds_bucket"
 
 
-# ---- errors --------------------------------------------------------------------------
-
-
-def test_error_log_counts_by_kind_and_keeps_the_last_few():
-    log = ErrorLog(keep=3)
-    for i in range(5):
-        log.add("promotion_timeout", f"timeout {i}")
-    log.add("directory_poll", "x" * 1000)
-    assert log.counts() == {"promotion_timeout": 5, "directory_poll": 1}
-    recent = log.recent()
-    assert [m for _, _, m in recent][:2] == ["timeout 3", "timeout 4"]
-    assert len(recent[-1][2]) == metrics.MAX_ERROR_MESSAGE
-    with pytest.raises(ValueError, match="error kind"):
-        log.add("oops", "no such kind")
-    assert log.counts()["promotion_timeout"] == 5
-
-
-def test_error_log_sync_notes_only_the_increase():
-    log = ErrorLog()
-    log.sync("store_rejected", 0, "rejected")
-    assert log.counts() == {} and log.recent() == []
-    log.sync("store_rejected", 3, "rejected")
-    log.sync("store_rejected", 3, "rejected")
-    assert log.counts() == {"store_rejected": 3}
-    assert [m for _, _, m in log.recent()] == ["3 x rejected"]
-    other = ErrorLog()
-    other.add("load_failed", "late")
-    counts, recent = merge_errors([log, other])
-    assert counts == {"store_rejected": 3, "load_failed": 1}
-    assert [k for _, k, _ in recent] == ["store_rejected", "load_failed"]
-
-
 # ---- what the components count ---------------------------------------------------------
 
 
@@ -273,17 +240,17 @@ def test_lookups_are_counted_by_outcome(replicas):
     second = b.serve(tokens)  # loaded once: its own now
     assert first.hit_blocks == second.hit_blocks == 8
     sa, sb = a.manager.stats(), b.manager.stats()
-    assert sa["lookups"] == {"local_hit": 8, "remote_hit": 0, "miss": 1, "retry": 0}
+    assert sa.lookups == LookupCounts(local_hit=8, remote_hit=0, miss=1, retry=0)
     # the 8 lookups that started promotions are remote hits; the scans while they ran
     # answered retry or (once a block was in) a local hit, as does the second serve
-    assert sb["lookups"]["remote_hit"] == 8 and sb["lookups"]["miss"] == 0
-    assert sb["lookups"]["local_hit"] + sb["lookups"]["retry"] == 8 * first.retries + 8
-    assert sb["lookups"]["local_hit"] >= 16
-    assert sb["promotions"]["started"] == sb["promotions"]["succeeded"] == {"same_node": 8, "cross_node": 0}
-    assert sb["promotions"]["bytes"]["same_node"] == 8 * BLOCK_BYTES
-    assert sb["blocks"] == {"stored": 0, "evicted": 0, "loaded": {"local": 8, "same_node": 8, "cross_node": 0}}
-    assert sa["blocks"]["stored"] == 8
-    assert sa["pool"] == {"rows": 64, "free_rows": 56, "used_bytes": 8 * BLOCK_BYTES, "capacity_bytes": 64 * BLOCK_BYTES}
+    assert sb.lookups.remote_hit == 8 and sb.lookups.miss == 0
+    assert sb.lookups.local_hit + sb.lookups.retry == 8 * first.retries + 8
+    assert sb.lookups.local_hit >= 16
+    assert sb.promotions.started == sb.promotions.succeeded == {"same_node": 8, "cross_node": 0}
+    assert sb.promotions.bytes["same_node"] == 8 * BLOCK_BYTES
+    assert sb.blocks == BlockCounts(stored=0, evicted=0, loaded={"local": 8, "same_node": 8, "cross_node": 0})
+    assert sa.blocks.stored == 8
+    assert sa.pool == PoolUsage(rows=64, free_rows=56, used_bytes=8 * BLOCK_BYTES, capacity_bytes=64 * BLOCK_BYTES)
     assert len(b.manager.promoter.latencies) == 8
 
 
@@ -299,7 +266,7 @@ def test_replica_source_exports_the_stats(replicas):
     exporter.export()
     stats = b.manager.stats()
     tags = ("ns0", b.spec.replica_id, "node-2")
-    for outcome, n in stats["lookups"].items():
+    for outcome, n in asdict(stats.lookups).items():
         assert backend.counters.get(("distkv_lookups", *tags, outcome), 0) == n
     assert backend.counters[("distkv_promotions_succeeded", *tags, "cross_node")] == 8
     assert backend.counters[("distkv_promotion_bytes", *tags, "cross_node")] == 8 * BLOCK_BYTES
@@ -311,7 +278,7 @@ def test_replica_source_exports_the_stats(replicas):
     # transfers that took some time
     assert backend.counters[("distkv_transport_bytes", *tags, "object_store")] == 8 * BLOCK_BYTES
     assert backend.counters[("distkv_transport_seconds", *tags, "object_store")] > 0
-    assert stats["promotions"]["transports"]["object_store"]["blocks"] == 8
+    assert stats.promotions.transports["object_store"].blocks == 8
 
 
 def test_evictions_and_rejected_stores_are_counted(replicas):
@@ -324,9 +291,9 @@ def test_evictions_and_rejected_stores_are_counted(replicas):
     a.manager.lookup(keys[0], ctx)
     assert a.manager.prepare_store(keys, ctx) is None  # 9 blocks never fit 8 rows
     stats = a.manager.stats()
-    assert stats["blocks"]["stored"] == 16 and stats["blocks"]["evicted"] == 8
-    assert stats["errors"] == {"store_rejected": 1}
-    (_, kind, message), = stats["recent_errors"]
+    assert stats.blocks.stored == 16 and stats.blocks.evicted == 8
+    assert stats.errors == {"store_rejected": 1}
+    (_, kind, message), = stats.recent_errors
     assert kind == "store_rejected" and "no free or evictable row" in message
 
 
@@ -338,10 +305,10 @@ def test_failed_promotions_are_counted_by_path_and_kind(replicas):
     a.serve(tokens)
     assert b.serve(tokens).hit_blocks == 0
     stats = b.manager.stats()
-    assert stats["promotions"]["started"]["cross_node"] == stats["promotions"]["failed"]["cross_node"] == 4
-    assert stats["errors"] == {"promotion_fetch": 4}
-    assert stats["lookups"]["miss"] >= 4 and stats["lookups"]["remote_hit"] == 0
-    assert "node agent unreachable" in stats["recent_errors"][-1][2]
+    assert stats.promotions.started["cross_node"] == stats.promotions.failed["cross_node"] == 4
+    assert stats.errors == {"promotion_fetch": 4}
+    assert stats.lookups.miss >= 4 and stats.lookups.remote_hit == 0
+    assert "node agent unreachable" in stats.recent_errors[-1][2]
 
     # a holder whose pool cannot be read is never started
     c = replicas(directory, "node-3")
@@ -349,8 +316,8 @@ def test_failed_promotions_are_counted_by_path_and_kind(replicas):
     directory.infos.pop(b.spec.replica_id)
     assert c.serve(tokens).hit_blocks == 0
     stats = c.manager.stats()
-    assert stats["promotions"]["started"] == {"same_node": 0, "cross_node": 0}
-    assert stats["errors"] == {"promotion_no_holder": 4}
+    assert stats.promotions.started == {"same_node": 0, "cross_node": 0}
+    assert stats.errors == {"promotion_no_holder": 4}
 
 
 def test_handlers_count_bytes_and_time(replicas):
@@ -370,11 +337,6 @@ def test_handlers_count_bytes_and_time(replicas):
     assert backend.counters[("distkv_transfer_bytes", *tags)] == 8 * BLOCK_BYTES
     assert backend.counters[("distkv_transfer_seconds", *tags)] == pytest.approx(store.busy_s)
     assert backend.gauges[("distkv_transfer_gbps", *tags)] == pytest.approx(8 * BLOCK_BYTES / store.busy_s / 1e9)
-
-
-def test_segment_owner_inverts_segment_name():
-    assert segment_owner(segment_name("0123abcd", "engine_1.x")) == ("0123abcd", "engine_1.x")
-    assert segment_owner("some-other-pool") == ("", "some-other-pool")
 
 
 def test_node_agent_source_counts_rows_by_result():

@@ -26,12 +26,12 @@ from distkv.handlers import (
     StoreHandler,
     make_handlers,
 )
+from distkv.names import segment_name
 from distkv.pool import (
     PAGE_BYTES,
     HostPool,
     PoolLayout,
     PoolLoadStoreSpec,
-    segment_name,
 )
 
 

@@ -6,7 +6,8 @@ from pathlib import Path
 
 import yaml
 
-from distkv.metrics import ERROR_KINDS, HISTOGRAM, METRICS
+from distkv.errors import ERROR_KINDS
+from distkv.metrics import HISTOGRAM, METRICS
 
 ROOT = Path(__file__).resolve().parents[2]
 DASHBOARD = ROOT / "cluster" / "grafana" / "distkv-dashboard.json"

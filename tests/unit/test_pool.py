@@ -10,6 +10,7 @@ import uuid
 import numpy as np
 import pytest
 
+from distkv.names import segment_name
 from distkv.pool import (
     MAX_KEY_BYTES,
     PAGE_BYTES,
@@ -21,7 +22,6 @@ from distkv.pool import (
     copy_checksum,
     pin_ranges,
     reclaim_stale_segments,
-    segment_name,
 )
 
 KEY_A = b"a" * 32 + b"\0\0\0\0"

@@ -2,6 +2,8 @@
 
 import errno
 import os
+import subprocess
+import sys
 import time
 import uuid
 from concurrent.futures import Future
@@ -9,11 +11,13 @@ from concurrent.futures import Future
 import numpy as np
 import pytest
 
+import distkv.pool
 import distkv.promotion as promotion
 from distkv.directory import Holder, ReplicaInfo
-from distkv.pool import HostPool, PoolLayout, segment_name
+from distkv.names import segment_name
+from distkv.pool import HostPool, PoolLayout, read_rows
 from distkv.promotion import Promoter, Promotion
-from distkv.transport import ObjectStoreTransport, read_rows
+from distkv.transport import ObjectStoreTransport
 
 LAYOUT_FIELDS = (8, 2, 4096)  # rows, ranks, slot bytes
 LAYOUT = PoolLayout(*LAYOUT_FIELDS)
@@ -141,7 +145,7 @@ def test_a_holder_pool_that_cannot_be_opened_fails_only_its_promotions(world, mo
             raise error
         return HostPool(name, *args, **kwargs)
 
-    monkeypatch.setattr(promotion, "HostPool", host_pool)
+    monkeypatch.setattr(distkv.pool, "HostPool", host_pool)  # what PoolReaders opens with
     promoter.submit(same.promotion(0))
     promoter.submit(same.promotion(1))
     assert ended(promoter, 2) == {key_of(0): False, key_of(1): False}
@@ -232,3 +236,48 @@ def test_a_holder_naming_another_namespaces_pool_is_refused(world, namespace):
         assert local.generation(0, 0) == 0  # nothing was written
     finally:
         other.pool.close()
+
+
+# A holder replica's process: seals its pool as Holding does, says so, and waits to be killed.
+HOLDER_PROCESS = """
+import sys
+sys.path.insert(0, sys.argv[1])
+from test_promotion import Holding
+Holding(sys.argv[2], sys.argv[3])
+print("sealed", flush=True)
+sys.stdin.read()
+"""
+
+
+def test_a_same_node_promotion_never_unlinks_the_holders_segment(world, namespace):
+    """A holder whose process was killed leaves its segment behind, locked by nobody:
+    it is the holder's (restarted under its name, it attaches to it again) or a
+    reclaim's to remove. A neighbour that promotes from it meanwhile (the Directory has
+    not dropped the holder yet) reads the block and leaves the segment where it was."""
+    local, _, _, promoter, infos = world
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLDER_PROCESS, os.path.dirname(__file__), namespace, "killed"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+    )
+    try:
+        assert holder.stdout.readline() == b"sealed\n"
+    finally:
+        holder.kill()
+        holder.wait()
+    path = os.path.join("/dev/shm", segment_name(namespace, "killed"))
+    infos["killed"] = ReplicaInfo("killed", NODE, segment_name(namespace, "killed"), *LAYOUT_FIELDS)
+    try:
+        for row in (3, 5):  # two batches: the second reads the mapping the first opened
+            promoter.submit(Promotion(key_of(row), row, 100 + row, (Holder("killed", NODE, row, 7),),
+                                      time.monotonic() + DEADLINE_S))
+            assert ended(promoter, 1) == {key_of(row): True}
+            assert os.path.exists(path), "the promotion removed the holder's segment"
+        expected = np.random.default_rng(len("killed")).integers(
+            0, 256, (LAYOUT.num_ranks, LAYOUT.num_rows, LAYOUT.slot_bytes), dtype=np.uint8
+        )
+        out = np.empty(LAYOUT.slot_bytes, dtype=np.uint8)
+        for rank in range(LAYOUT.num_ranks):
+            assert local.read(rank, 3, key_of(3), 103, out) is not None and np.array_equal(out, expected[rank, 3])
+    finally:
+        if os.path.exists(path):
+            os.unlink(path)

@@ -15,6 +15,7 @@ import pytest
 
 pytest.importorskip("nixl")
 
+from distkv.names import segment_name  # noqa: E402
 from distkv.pool import (  # noqa: E402
     HEADER_BYTES,
     PAGE_BYTES,
@@ -22,7 +23,6 @@ from distkv.pool import (  # noqa: E402
     PoolLayout,
     check_landed,
     reclaim_stale_segments,
-    segment_name,
 )
 from distkv.directory import ReplicaInfo  # noqa: E402
 from distkv.rdma import NixlAgent, RdmaUnavailable, load_nixl  # noqa: E402

@@ -12,8 +12,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from distkv.config import cache_namespace
-from distkv.directory import check_namespace, check_pool_namespace
-from distkv.pool import HostPool, PoolLayout, segment_name
+from distkv.directory import check_namespace
+from distkv.names import check_pool_namespace, segment_name
+from distkv.pool import HostPool, PoolLayout
 from distkv.spec import LocalOffloadingSpec, replica_name
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -35,9 +35,10 @@ from distkv.abstract import (
 )
 from distkv.handlers import make_handlers
 from distkv.manager import LocalOffloadingManager
-from distkv.pool import HEADER_BYTES, PAGE_BYTES, HostPool, PoolLayout, PoolLoadStoreSpec, check_landed, segment_name
+from distkv.names import segment_name
+from distkv.pool import HEADER_BYTES, PAGE_BYTES, HostPool, PoolLayout, PoolLoadStoreSpec, check_landed, read_rows
 from distkv.directory import ReplicaInfo
-from distkv.transport import ObjectStoreTransport, RowRead, read_rows
+from distkv.transport import ObjectStoreTransport, RowRead
 
 SLOT_BYTES = PAGE_BYTES
 HALF = SLOT_BYTES // 2

@@ -3,20 +3,26 @@
 import argparse
 import socket
 
-from distkv.status import format_status, hit_rate, merge_replicas, recent_errors, run
+from distkv.stats import BlockCounts, LookupCounts, PoolUsage, PromotionCounts, ReplicaStats
+from distkv.status import format_status, merge_replicas, recent_errors, run
 
 
 def report(t: float, local_hit: int = 0, miss: int = 0, errors=()) -> dict:
+    """A replica's report as its link sends it to the Directory."""
     paths = {"same_node": 0, "cross_node": 0}
-    return {
-        "time": t,
-        "lookups": {"local_hit": local_hit, "remote_hit": 0, "miss": miss, "retry": 0},
-        "promotions": {"started": paths, "succeeded": paths, "failed": paths, "bytes": paths, "in_flight": 0},
-        "blocks": {"stored": 4, "evicted": 0, "loaded": {"local": 0, "same_node": 0, "cross_node": 0}},
-        "pool": {"rows": 8, "free_rows": 4, "used_bytes": 4 << 20, "capacity_bytes": 8 << 20},
-        "errors": {kind: 1 for _, kind, _ in errors},
-        "recent_errors": list(errors),
-    }
+    return ReplicaStats(
+        namespace="ns",
+        replica="r",
+        node="n" * 56,
+        time=t,
+        lookups=LookupCounts(local_hit=local_hit, remote_hit=0, miss=miss, retry=0),
+        promotions=PromotionCounts(started=paths, succeeded=paths, failed=paths, bytes=paths, in_flight=0,
+                                   transports={}, transport_rates={}),
+        blocks=BlockCounts(stored=4, evicted=0, loaded={"local": 0, "same_node": 0, "cross_node": 0}),
+        pool=PoolUsage(rows=8, free_rows=4, used_bytes=4 << 20, capacity_bytes=8 << 20),
+        errors={kind: 1 for _, kind, _ in errors},
+        recent_errors=tuple(errors),
+    ).to_dict()
 
 
 def shard_entry(replica: str, keys: int, seen: float, rep: dict | None) -> dict:
@@ -37,8 +43,8 @@ def test_a_replica_is_merged_over_shards_with_its_newest_report():
 
 
 def test_hit_rate_leaves_retries_out():
-    assert hit_rate({"local_hit": 2, "remote_hit": 1, "miss": 1, "retry": 50}) == 0.75
-    assert hit_rate({"local_hit": 0, "remote_hit": 0, "miss": 0, "retry": 3}) is None
+    assert LookupCounts(local_hit=2, remote_hit=1, miss=1, retry=50).hit_rate == 0.75
+    assert LookupCounts(local_hit=0, remote_hit=0, miss=0, retry=3).hit_rate is None
 
 
 def test_the_table_shows_every_section():
@@ -83,3 +89,12 @@ def test_the_table_shows_each_transport_and_the_rates_measured_per_node_pair():
     lines = format_status(status).splitlines()
     assert any(line.split() == ["r1", "n" * 12, "nixl", "64", "128.0", "MiB", "2.68"] for line in lines)
     assert any(line.split() == ["r1", "h" * 12, "->", "n" * 12, "0.50", "2.50", "nixl"] for line in lines)
+
+
+def test_a_report_of_another_stats_version_counts_as_none():
+    newer = {**report(12.0, local_hit=9), "version": 99, "lookups": {"hits": 9}}
+    (entry,) = merge_replicas([("ns", shard_entry("r1", 4, 0.3, newer))])
+    assert entry["lookups"] is None and entry["hit_rate"] is None and entry["report_age_s"] is None
+    # and the newest report it can read still counts
+    (entry,) = merge_replicas([("ns", shard_entry("r1", 4, 0.3, newer)), ("ns", shard_entry("r1", 4, 0.3, report(11.0, 3)))])
+    assert entry["lookups"]["local_hit"] == 3

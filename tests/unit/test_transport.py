@@ -9,7 +9,8 @@ import uuid
 import pytest
 
 from distkv.directory import ReplicaInfo
-from distkv.pool import PAGE_BYTES, HostPool, PoolLayout, segment_name
+from distkv.names import segment_name
+from distkv.pool import PAGE_BYTES, HostPool, PoolLayout
 from distkv.spec import node_transports
 from distkv.rdma import PoolEndpoint
 from distkv.transport import NodeTransports, RowRead, Transfer, Transport
