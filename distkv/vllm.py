@@ -139,13 +139,17 @@ class _ReusedKeys:
         self.keys: dict[abstract.OffloadKey, None] = {}
 
 
+# vLLM's answer for each of distkv's LookupResults, indexed by it: the same four answers.
+VLLM_LOOKUP_ANSWERS: tuple[LookupResult, ...] = tuple(LookupResult[r.name] for r in abstract.LookupResult)
+
+
 class DistkvOffloadingManager(OffloadingManager):
     """vLLM 0.33's OffloadingManager over a replica's ClusterOffloadingManager.
 
-    lookup maps distkv's answers: ready -> HIT; absent -> MISS; in flight -> RETRY while
-    the block is being promoted from another replica (it may still fail into a miss),
-    HIT_PENDING while a store of this replica is (it only waits for the worker).
-    Recency is applied when a request finishes: the blocks it loaded, or offered for
+    lookup gives the cluster manager's lookup_result as vLLM's LookupResult of the same
+    name: RETRY while a block is being promoted from another replica (it may still fail
+    into a miss), HIT_PENDING while a store of this replica is (it only waits for the
+    worker). Recency is applied when a request finishes: the blocks it loaded, or offered for
     storing and found stored, are touched in the order it used them. Until then the
     blocks its lookups answered HIT are protected from eviction by the cluster manager.
     """
@@ -166,14 +170,7 @@ class DistkvOffloadingManager(OffloadingManager):
     # ---- hot path --------------------------------------------------------------------
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
-        hit = self.cluster.lookup(key, req_context)
-        if hit:
-            return LookupResult.HIT
-        if hit is False:
-            return LookupResult.MISS
-        if self.cluster.is_promoting(key):
-            return LookupResult.RETRY
-        return LookupResult.HIT_PENDING
+        return VLLM_LOOKUP_ANSWERS[self.cluster.lookup_result(key, req_context)]
 
     def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> LoadStoreSpec:
         spec = self.cluster.prepare_load(keys, req_context)
