@@ -39,7 +39,7 @@ import ray  # noqa: E402
 
 from distkv.abstract import LookupResult, ReqContext, make_offload_key  # noqa: E402
 from distkv.cluster import ClusterOffloadingManager  # noqa: E402
-from distkv.spec import RayOffloadingSpec  # noqa: E402
+from distkv.spec import ClusterOffloadingSpec  # noqa: E402
 from ray_actors.directory import RAY_NAMESPACE, kill_shards  # noqa: E402
 
 PAGE_BYTES = 4 << 10
@@ -50,8 +50,8 @@ def make_keys(tag: str, count: int) -> list[bytes]:
     return [make_offload_key(hashlib.sha256(f"{tag}-{i}".encode()).digest(), 0) for i in range(count)]
 
 
-def make_spec(salt: str, name: str, rows: int, policy: str = "lru") -> RayOffloadingSpec:
-    return RayOffloadingSpec.from_layout(
+def make_spec(salt: str, name: str, rows: int, policy: str = "lru") -> ClusterOffloadingSpec:
+    return ClusterOffloadingSpec.from_layout(
         {"cpu_bytes_to_use": rows * 2 * PAGE_BYTES, "tenant_salt": salt, "eviction_policy": policy},
         gpu_block_sizes=[16],
         group_page_bytes=[2 * PAGE_BYTES],

@@ -53,6 +53,7 @@ except ImportError as e:
 
 from distkv import abstract
 from distkv.cluster import ClusterOffloadingManager
+from distkv.config import KVIdentity
 from distkv.handlers import make_handlers
 from distkv.manager import LocalOffloadingManager
 from distkv.pool import HostPool
@@ -113,17 +114,17 @@ def replica_plan(config: OffloadingConfig) -> ReplicaPlan:
     parallel = config.parallel
     return ReplicaPlan.derive(
         {k: v for k, v in extra.items() if k not in VLLM_CONNECTOR_KEYS},
-        {
-            "model": config.model.name,
-            "dtype": config.model.dtype,
-            "kv_cache_layout": config.kv_cache_layout,
-            "group_block_tokens": [group.tokens_per_block for group in config.groups],
-            "worker_kv_bytes_per_block": config.worker_kv_bytes_per_block,
-            "blocks_per_chunk": blocks_per_chunk,
-            "tokens_per_hash": config.cache.tokens_per_hash,
-            "prefix_hash_seed": hashlib.sha256(prefix_hash_seed().encode()).hexdigest(),
-            "parallel": [parallel.world_size, parallel.tp_size, parallel.pp_size, parallel.pcp_size, parallel.dcp_size],
-        },
+        KVIdentity(
+            model=config.model.name,
+            dtype=config.model.dtype,
+            group_block_tokens=tuple(group.tokens_per_block for group in config.groups),
+            blocks_per_chunk=blocks_per_chunk,
+            parallel=(parallel.world_size, parallel.tp_size, parallel.pp_size, parallel.pcp_size, parallel.dcp_size),
+            worker_kv_bytes_per_block=config.worker_kv_bytes_per_block,
+            kv_cache_layout=config.kv_cache_layout,
+            tokens_per_hash=config.cache.tokens_per_hash,
+            prefix_hash_seed=hashlib.sha256(prefix_hash_seed().encode()).hexdigest(),
+        ),
         config.worker_kv_bytes_per_block * blocks_per_chunk,
         parallel.world_size,
         config.engine_id,

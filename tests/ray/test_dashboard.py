@@ -20,7 +20,7 @@ import pytest
 import ray
 
 from distkv.harness import Replica
-from distkv.spec import RayOffloadingSpec
+from distkv.spec import ClusterOffloadingSpec
 from ray_actors.directory import get_or_create_shards, kill_shards, shard_name
 from ray_actors.node_agent import agent_name
 
@@ -103,7 +103,7 @@ def dashboard_token() -> str | None:
 @pytest.fixture
 def replica(ray_with_dashboard):
     """A replica in this process: it starts the node's NodeAgent and its namespace's Directory shard."""
-    spec = RayOffloadingSpec.from_layout(
+    spec = ClusterOffloadingSpec.from_layout(
         {"cpu_bytes_to_use": 64 * 2 * PAGE_BYTES, "tenant_salt": uuid.uuid4().hex},
         gpu_block_sizes=[16],
         group_page_bytes=[2 * PAGE_BYTES],

@@ -17,7 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from distkv.abstract import ReqContext
 from distkv.harness import Replica, block_keys
 from distkv.metrics import METRICS
-from distkv.spec import RayOffloadingSpec
+from distkv.spec import ClusterOffloadingSpec
 from ray_actors.directory import RAY_NAMESPACE, kill_shards
 from ray_actors.node_agent import agent_name
 
@@ -30,7 +30,7 @@ RAY_LABELS = {"SessionName", "NodeAddress", "Component", "Version", "WorkerId", 
 
 
 def make_replica(salt: str) -> Replica:
-    spec = RayOffloadingSpec.from_layout(
+    spec = ClusterOffloadingSpec.from_layout(
         {"cpu_bytes_to_use": POOL_BLOCKS * BLOCK_BYTES, "tenant_salt": salt},
         gpu_block_sizes=[BLOCK_TOKENS],
         group_page_bytes=[BLOCK_BYTES],
