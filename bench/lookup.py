@@ -1,11 +1,12 @@
-"""ClusterOffloadingManager.lookup with a warm view of the Directory, against vLLM's manager and the local one.
+"""ClusterOffloadingManager.lookup_result with a warm view of the Directory, against vLLM's manager and the local one.
 
     python bench/lookup.py [--keys N] [--batches N]
 
 Two replicas of one cache namespace in this process, on a local Ray, through the real
 spec (a Directory shard, a DirectoryLink each): the other replica stores --keys blocks,
 this one stores --keys of its own, and once every block of the other is in this
-replica's view (warm), lookups are timed:
+replica's view (warm), lookups are timed, the cluster manager's by lookup_result (the
+four answers that vLLM's adapter maps per block):
 
   hit   a block this replica holds
   miss  a block nobody holds: the cluster manager also consults the view
@@ -36,10 +37,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runs from a chec
 
 import ray  # noqa: E402
 
-from distkv.abstract import ReqContext, make_offload_key  # noqa: E402
+from distkv.abstract import LookupResult, ReqContext, make_offload_key  # noqa: E402
 from distkv.cluster import ClusterOffloadingManager  # noqa: E402
 from distkv.names import RAY_NAMESPACE  # noqa: E402
-from distkv.spec import RayOffloadingSpec  # noqa: E402
+from distkv.spec import ClusterOffloadingSpec  # noqa: E402
 from ray_actors.directory import kill_shards  # noqa: E402
 
 PAGE_BYTES = 4 << 10
@@ -50,8 +51,8 @@ def make_keys(tag: str, count: int) -> list[bytes]:
     return [make_offload_key(hashlib.sha256(f"{tag}-{i}".encode()).digest(), 0) for i in range(count)]
 
 
-def make_spec(salt: str, name: str, rows: int, policy: str = "lru") -> RayOffloadingSpec:
-    return RayOffloadingSpec.from_layout(
+def make_spec(salt: str, name: str, rows: int, policy: str = "lru") -> ClusterOffloadingSpec:
+    return ClusterOffloadingSpec.from_layout(
         {"cpu_bytes_to_use": rows * 2 * PAGE_BYTES, "tenant_salt": salt, "eviction_policy": policy},
         gpu_block_sizes=[16],
         group_page_bytes=[2 * PAGE_BYTES],
@@ -129,7 +130,7 @@ def measure(keys: int, batches: int) -> dict[str, dict[str, float]]:
         ctx = ReqContext("bench")
         # name -> (lookup, its request context, its answer for a hit, for a miss)
         subjects = {
-            "cluster": (this.lookup, ctx, True, False),
+            "cluster": (this.lookup_result, ctx, LookupResult.HIT, LookupResult.MISS),
             "local": (this.local.lookup, ctx, True, False),
         }
         theirs = vllm_manager(hit_keys)

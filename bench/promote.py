@@ -5,7 +5,7 @@ the raw transfer of the same bytes.
                             [--latency-runs N] [--json PATH]
 
 A `ray.cluster_utils.Cluster` with a head node (the Directory) and nodes A and B, one
-replica actor on each (a harness Replica over RayOffloadingSpec) per transport measured.
+replica actor on each (a harness Replica over ClusterOffloadingSpec) per transport measured.
 A stores a 64-block prefix (2 MiB blocks: K and V pages of 1 MiB). Promotion: from B's
 first lookup of the 64 keys to all 64 answering True, timed inside B's actor (B looks them
 all up every 1 ms, as a scheduler step would); the rows come through the transport
@@ -53,7 +53,7 @@ from distkv.abstract import ReqContext  # noqa: E402
 from distkv.demo.runner import token_auth_on  # noqa: E402
 from distkv.harness import Replica, block_keys  # noqa: E402
 from distkv.pool import checksum  # noqa: E402
-from distkv.spec import RayOffloadingSpec  # noqa: E402
+from distkv.spec import ClusterOffloadingSpec  # noqa: E402
 from ray_actors.directory import kill_shards  # noqa: E402
 
 MiB = 1 << 20
@@ -89,7 +89,7 @@ class BenchReplica:
     """A harness replica, plus what the benchmark times inside the actor."""
 
     def __init__(self, name: str, salt: str, transport: str, blocks: int, page_bytes: int) -> None:
-        spec = RayOffloadingSpec.from_layout(
+        spec = ClusterOffloadingSpec.from_layout(
             spec_config(salt, transport, blocks, page_bytes),
             gpu_block_sizes=[BLOCK_TOKENS],
             group_page_bytes=[2 * page_bytes],
@@ -239,7 +239,7 @@ class Pair:
     def shutdown(self) -> None:
         ray.get([self.a.shutdown.remote(), self.b.shutdown.remote()])
         kill_shards(
-            RayOffloadingSpec.from_layout(
+            ClusterOffloadingSpec.from_layout(
                 {"tenant_salt": self.salt}, gpu_block_sizes=[BLOCK_TOKENS], group_page_bytes=[2 * self.page_bytes]
             ).namespace
         )

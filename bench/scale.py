@@ -19,7 +19,7 @@ to 1M keys: what it holds on to (tracemalloc, once the applied changes are gone)
 fast it applies them.
 
 Replicas (ray.cluster_utils.Cluster). A head node (the Directory: 1 shard) and one
-simulated node per replica; each replica is an actor with a real RayOffloadingSpec (its
+simulated node per replica; each replica is an actor with a real ClusterOffloadingSpec (its
 pool, DirectoryLink and the node's NodeAgent). Their number grows through --replicas,
 earlier replicas staying. At each count every replica stores 64 new blocks 20 times a
 second into a full pool (64 stored and 64 evicted events a cycle) for --seconds, while:
@@ -65,7 +65,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy  # noq
 from distkv.abstract import ReqContext, make_offload_key  # noqa: E402
 from distkv.demo.runner import token_auth_on  # noqa: E402
 from distkv.directory import Changes, Cursor, DirectoryState, ReplicaInfo, ShardView, pack, unpack  # noqa: E402
-from distkv.spec import RayOffloadingSpec  # noqa: E402
+from distkv.spec import ClusterOffloadingSpec  # noqa: E402
 from ray_actors.directory import get_or_create_shards, kill_shards  # noqa: E402
 
 MiB = 1 << 20
@@ -271,7 +271,7 @@ class ChurnReplica:
 
     def __init__(self, name: str, salt: str) -> None:
         self.name = name
-        self.spec = RayOffloadingSpec.from_layout(
+        self.spec = ClusterOffloadingSpec.from_layout(
             {"cpu_bytes_to_use": CHURN_ROWS * 2 * PAGE_BYTES, "tenant_salt": salt},
             gpu_block_sizes=[16],
             group_page_bytes=[2 * PAGE_BYTES],

@@ -10,7 +10,7 @@ docs/scale.md builds the scale model from the scale rows.
   manager   bench/trace.py: CPU time per call of one recorded vLLM-scheduler trace:
             distkv's local and cluster managers beside vLLM 0.33's
             CPUOffloadingManager, LRU and ARC. Goal: ops/s ratio >= 1.
-  lookup    bench/lookup.py: ClusterOffloadingManager.lookup with a warm Directory view,
+  lookup    bench/lookup.py: ClusterOffloadingManager.lookup_result with a warm Directory view,
             hits and misses, beside vLLM's CPUOffloadingManager.lookup of the same keys.
             Goal: ns ratio <= 1.5.
   transfer  python bench/transfer.py: the CPU handlers beside a torch contiguous copy.

@@ -55,7 +55,7 @@ from typing import Any, NamedTuple
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runs from a checkout, uninstalled
 
-from distkv.abstract import ReqContext  # noqa: E402
+from distkv.abstract import SEED_LOOKUP_ANSWERS, LookupResult, ReqContext  # noqa: E402
 from distkv.demo.workload import WorkloadConfig, generate  # noqa: E402
 from distkv.harness import block_keys  # noqa: E402
 from distkv.manager import LocalOffloadingManager  # noqa: E402
@@ -69,6 +69,8 @@ SYSTEM_PROMPTS = 8
 
 # Lookup answers as distkv's seed API gives them: True (ready), False (miss), None (retry later).
 SEED_ANSWERS: dict[Any, bool | None] = {True: True, False: False, None: None}
+# The cluster manager's, by lookup_result, in the seed's terms.
+CLUSTER_ANSWERS: dict[Any, bool | None] = dict(zip(LookupResult, SEED_LOOKUP_ANSWERS))
 
 
 class Op(NamedTuple):
@@ -184,6 +186,7 @@ class Subject:
     context: Callable[[str], Any]  # req_id -> the request's ReqContext
     answers: dict[Any, bool | None] = field(default_factory=lambda: SEED_ANSWERS)  # its lookup answers, in the seed's terms
     request_hooks: bool = False  # vLLM's on_new_request / on_request_finished
+    lookup: str = "lookup"  # the method the scheduler looks blocks up by
 
 
 def local_subject(policy: str, rows: int) -> Subject:
@@ -233,7 +236,7 @@ def replay(trace: Trace, subject: Subject) -> Replay:
     manager.reset_cache()
     for _ in manager.take_events():
         pass
-    lookup, touch = manager.lookup, manager.touch
+    lookup, touch = getattr(manager, subject.lookup), manager.touch
     prepare_load, complete_load = manager.prepare_load, manager.complete_load
     prepare_store, complete_store = manager.prepare_store, manager.complete_store
     take_events = manager.take_events
@@ -365,7 +368,8 @@ def measure(requests: int, rows: int, runs: int, view_keys: int | None) -> dict[
             subjects[policy] = [local_subject(policy, rows)]
             if view_keys is not None:
                 cluster = stack.enter_context(warm_cluster(rows, view_keys, policy))
-                subjects[policy].append(Subject("distkv cluster", cluster, ReqContext))
+                # looked up as vLLM's adapter does, by the four answers
+                subjects[policy].append(Subject("distkv cluster", cluster, ReqContext, CLUSTER_ANSWERS, lookup="lookup_result"))
             theirs = vllm_subject(policy, rows)
             if theirs is not None:
                 subjects[policy].append(theirs)

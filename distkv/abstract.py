@@ -2,7 +2,8 @@
 
 Every name of vLLM's seed ``vllm/v1/kv_offload/abstract.py`` with the same signatures
 and semantics, plus the worker side of the same generation (``OffloadingHandler``,
-``TransferSpec``, ``TransferResult``, ``OffloadingWorker``). Written for this project:
+``TransferSpec``, ``TransferResult``, ``OffloadingWorker``), and vLLM 0.33's four lookup
+answers (``LookupResult``), which distkv's own managers give. Written for this project:
 nothing here imports vLLM, so distkv runs under any engine.
 """
 
@@ -12,6 +13,7 @@ import math
 from abc import ABC, abstractmethod
 from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from enum import IntEnum
 from types import SimpleNamespace
 from typing import Any, NewType
 
@@ -68,6 +70,28 @@ class OffloadingEvent:
     medium: str
     # True if blocks are removed, False if stored
     removed: bool
+
+
+class LookupResult(IntEnum):
+    """What a lookup of one block found: vLLM 0.33's four answers (its
+    ``vllm.v1.kv_offload.base.LookupResult``), of which the seed's ``bool | None`` keeps three.
+
+    An IntEnum so that an adapter maps it by indexing a tuple (see SEED_LOOKUP_ANSWERS):
+    no call on the scheduler's per-block path.
+    """
+
+    MISS = 0  # not offloaded: compute it
+    HIT = 1  # offloaded and ready to be read
+    HIT_PENDING = 2  # being stored by this replica: readable once its store completes
+    RETRY = 3  # being fetched from elsewhere: ask again next step (it may still end a miss)
+
+
+# The seed's lookup answer for each LookupResult, indexed by it: the seed has one "retry
+# later" (None) for both a store and a fetch in flight.
+SEED_LOOKUP_ANSWERS: tuple[bool | None, ...] = tuple(
+    {LookupResult.MISS: False, LookupResult.HIT: True, LookupResult.HIT_PENDING: None, LookupResult.RETRY: None}[r]
+    for r in LookupResult
+)
 
 
 class OffloadingManager(ABC):

@@ -10,7 +10,9 @@ import time
 from collections.abc import Collection, Iterable
 
 from distkv.abstract import (
+    SEED_LOOKUP_ANSWERS,
     LoadStoreSpec,
+    LookupResult,
     OffloadingEvent,
     OffloadingManager,
     OffloadKey,
@@ -34,6 +36,10 @@ from distkv.stats import (
 
 logger = logging.getLogger(__name__)
 
+# The answers as globals: one cached load each on the hot path, where `LookupResult.HIT`
+# goes through the enum class's attribute lookup.
+MISS, HIT, HIT_PENDING, RETRY = LookupResult.MISS, LookupResult.HIT, LookupResult.HIT_PENDING, LookupResult.RETRY
+
 # Failed promotions remembered (so that lookups answer a miss, not a new try) at most.
 MAX_FAILED_KEYS = 1 << 16
 # The Promoter fails a promotion at its deadline itself; the manager fails one the
@@ -45,9 +51,10 @@ class ClusterOffloadingManager(OffloadingManager):
     """The seed OffloadingManager of one replica in a cluster.
 
     Wraps the replica's LocalOffloadingManager and adds what other replicas hold:
-    - lookup of a key absent locally but held elsewhere (per the replica's view of the
-      Directory) reserves a local row and starts a promotion; lookups answer None until
-      the block is local (then True), or False once the promotion failed or timed out;
+    - lookup_result of a key absent locally but held elsewhere (per the replica's view of
+      the Directory) reserves a local row and starts a promotion; lookups answer RETRY
+      until the block is local (then HIT), or MISS once the promotion failed or timed out.
+      `lookup`, the seed's, answers the same with None for both RETRY and HIT_PENDING;
     - every stored and removed block is reported to the Directory, batched, from the
       DirectoryLink's thread.
     Nothing here waits on the network: the view is an in-process dict, promotions and
@@ -133,6 +140,19 @@ class ClusterOffloadingManager(OffloadingManager):
     # ---- the hot path ----------------------------------------------------------------
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> bool | None:
+        """The seed's lookup: lookup_result, with None for both HIT_PENDING and RETRY."""
+        return SEED_LOOKUP_ANSWERS[self.lookup_result(key, req_context)]
+
+    def lookup_result(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
+        """Whether one block can be loaded here: HIT when it is ready in this replica's pool;
+        HIT_PENDING while this replica's own store of it is in flight; RETRY while it is
+        being promoted from another replica (this call may start the promotion), until it
+        ends in HIT or MISS; MISS when no replica of this cache epoch can provide it now.
+
+        A request whose lookup answered HIT_PENDING or RETRY keeps the blocks its scan
+        found protected until it is admitted (see the class docstring). Raises ValueError
+        for a key that is not an OffloadKey.
+        """
         # As few steps as Python allows: a promotion in flight always has a local block,
         # so a key without one needs only the view.
         try:
@@ -143,22 +163,22 @@ class ClusterOffloadingManager(OffloadingManager):
             block.seen = self._round
             if block.refs >= 0:
                 self.lookups_local_hit += 1.0
-                return True
+                return HIT
             return self._lookup_in_flight(key, req_context)
         if key not in self._view:  # `in` costs no call, and this is the common miss
             if type(key) is not bytes or not MIN_KEY_BYTES <= len(key) <= MAX_KEY_BYTES:
                 raise ValueError(key_problem(key))
             self.lookups_miss += 1.0
-            return False
+            return MISS
         holders = self._view.get(key)  # None if it left the view since
-        hit = self._promote(key, holders) if holders else False
-        if hit is False:
+        result = self._promote(key, holders) if holders else MISS
+        if result is MISS:
             self.lookups_miss += 1.0
         else:
             self._defer(req_context)
-        return hit
+        return result
 
-    def _lookup_in_flight(self, key: OffloadKey, req_context: ReqContext) -> bool | None:
+    def _lookup_in_flight(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
         """A local block whose store or promotion has not completed, as of the last check."""
         if self.promoter.has_finished():
             self._apply_promotions()
@@ -167,13 +187,13 @@ class ClusterOffloadingManager(OffloadingManager):
         hit = self.local.lookup(key, req_context)
         if hit:
             self.lookups_local_hit += 1.0
-            return True
+            return HIT
         if hit is None:
             self.lookups_retry += 1.0
             self._defer(req_context)
-            return None
+            return RETRY if key in self._promoting else HIT_PENDING
         self.lookups_miss += 1.0  # its promotion just failed
-        return False
+        return MISS
 
     def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> LoadStoreSpec:
         spec = self.local.prepare_load(keys, req_context)
@@ -312,10 +332,6 @@ class ClusterOffloadingManager(OffloadingManager):
     def promotions_in_flight(self) -> int:
         return len(self._promoting)
 
-    def is_promoting(self, key: OffloadKey) -> bool:
-        """Whether `key` is being promoted: its local row is reserved and not yet filled."""
-        return key in self._promoting
-
     def _held_in_epoch(self, key: OffloadKey) -> bool:
         """Whether another replica of this cache epoch holds `key`: one this replica can promote."""
         replica = self.link.replica
@@ -367,17 +383,18 @@ class ClusterOffloadingManager(OffloadingManager):
         self.local.retire(overdue)
         self.lookups_miss += len(overdue)
 
-    def _promote(self, key: OffloadKey, holders) -> bool | None:
+    def _promote(self, key: OffloadKey, holders) -> LookupResult:
+        """Start promoting `key` from `holders`: RETRY, or MISS where it cannot start."""
         now = time.monotonic()
         failed_until = self._failed.get(key)
         if failed_until is not None:
             if failed_until > now:
-                return False
+                return MISS
             del self._failed[key]
         out = self.local.prepare_store([key], self._promotion_ctx, protect_from=self._protect_from)
         self._forward_events()
         if out is None or not out.keys_to_store:
-            return False  # no room: compute it instead
+            return MISS  # no room: compute it instead
         spec = out.store_spec
         deadline = now + self.promotion_timeout_s
         if not self._promoting:
@@ -386,7 +403,7 @@ class ClusterOffloadingManager(OffloadingManager):
         self.promoter.submit(
             Promotion(key, int(spec.block_ids[0]), int(spec.generations[0]), holders, deadline, cache_epoch=self.cache_epoch)
         )
-        return None
+        return RETRY
 
     def _apply_promotions(self) -> None:
         retry_at = time.monotonic() + self.promotion_timeout_s

@@ -10,7 +10,7 @@ import hashlib
 import json
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 POLICIES = ("lru", "arc")
@@ -93,11 +93,38 @@ class DistkvConfig:
         return cls(**values)
 
 
-def cache_namespace(kv_identity: Mapping[str, Any], tenant_salt: str = "") -> str:
-    """A short digest of what makes KV bytes interchangeable, plus the tenant salt.
-
-    kv_identity holds model, dtype, KV layout, block size and parallel layout; two
-    replicas share blocks only if every one of these is equal.
+@dataclass(frozen=True)
+class KVIdentity:
+    """What makes two replicas' KV bytes interchangeable: a block stored by one is loaded by
+    the other only if every field is equal. Each engine adapter fills it from its engine's
+    configuration; a field its engine does not report stays None, for every replica of
+    that engine alike.
     """
-    canonical = json.dumps({"kv": dict(kv_identity), "salt": tenant_salt}, sort_keys=True, default=str)
+
+    # the model's name
+    model: str | None
+    # the KV cache's dtype
+    dtype: str
+    # tokens per GPU block of each KV-cache group, context parallelism included
+    group_block_tokens: tuple[int, ...]
+    # GPU blocks per offloaded block (vLLM 0.33's blocks_per_chunk, the seed's block_size_factor)
+    blocks_per_chunk: int
+    # the parallel layout's sizes, in the order the adapter lists them
+    parallel: tuple[int, ...]
+    # bytes of one GPU block of each group on one worker, all its layers (the seed's spec)
+    group_page_bytes: tuple[int, ...] | None = None
+    # KV bytes one worker stores per GPU block (vLLM 0.33)
+    worker_kv_bytes_per_block: int | None = None
+    # the KV cache's layout name (vLLM 0.33)
+    kv_cache_layout: str | None = None
+    # tokens per block hash (vLLM 0.33)
+    tokens_per_hash: int | None = None
+    # a digest of the seed the engine chains its block hashes from: another seed, other keys
+    prefix_hash_seed: str | None = None
+
+
+def cache_namespace(identity: KVIdentity, tenant_salt: str = "") -> str:
+    """The cache namespace: a short digest of `identity` and the tenant salt. Replicas share
+    blocks only within one namespace."""
+    canonical = json.dumps({"kv": asdict(identity), "salt": tenant_salt}, sort_keys=True, default=str)
     return hashlib.sha256(canonical.encode()).hexdigest()[:16]

@@ -1,4 +1,10 @@
-"""Offloading specs: what a replica's scheduler and workers build their offloading from."""
+"""Offloading specs of distkv's own (the seed's) API, and the plan every spec derives.
+
+LocalOffloadingSpec and ClusterOffloadingSpec are what an engine speaking vLLM's seed
+kv_offload API builds its offloading from: the stand-in engine of distkv.harness, the
+demo and the benchmarks. vLLM 0.33 loads distkv.vllm.RayOffloadingSpec instead; both
+derive the replica's plan (ReplicaPlan) from a KVIdentity filled from their configuration.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +14,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from distkv.abstract import CanonicalKVCaches, LoadStoreSpec, OffloadingHandler, OffloadingSpec
-from distkv.config import DistkvConfig, cache_namespace
+from distkv.config import DistkvConfig, KVIdentity, cache_namespace
 from distkv.handlers import make_handlers
 from distkv.manager import LocalOffloadingManager
 from distkv.names import segment_name
@@ -57,13 +63,13 @@ class ReplicaPlan:
     def derive(
         cls,
         extra_config: Mapping[str, Any],
-        kv_identity: Mapping[str, Any],
+        kv_identity: KVIdentity,
         block_bytes_per_rank: int,
         num_ranks: int,
         engine_id: str,
     ) -> "ReplicaPlan":
-        """kv_identity: what makes KV bytes interchangeable (see `cache_namespace`);
-        block_bytes_per_rank: bytes one worker stores per offloaded block."""
+        """kv_identity: what makes KV bytes interchangeable, digested into the namespace
+        with the tenant salt; block_bytes_per_rank: bytes one worker stores per offloaded block."""
         config = DistkvConfig.from_extra_config(extra_config)
         layout = PoolLayout.for_capacity(config.cpu_bytes_to_use, num_ranks, block_bytes_per_rank)
         namespace = cache_namespace(kv_identity, config.tenant_salt)
@@ -151,7 +157,8 @@ def join_cluster(plan: ReplicaPlan, pool: HostPool, local: LocalOffloadingManage
 
 
 class LocalOffloadingSpec(OffloadingSpec):
-    """One replica offloading to a host pool on its own node; nothing is shared.
+    """One replica of a seed-API engine offloading to a host pool on its own node; nothing
+    is shared.
 
     The scheduler's manager and every worker's handlers derive the same pool layout and
     segment name from the configuration, so they meet in the same shared memory.
@@ -169,15 +176,15 @@ class LocalOffloadingSpec(OffloadingSpec):
         self.block_bytes_per_rank = self.block_size_factor * max(group_bytes)
         self.plan = ReplicaPlan.derive(
             self.extra_config,
-            {
-                "model": _attr(vllm_config, "model_config.model"),
-                "dtype": str(_attr(vllm_config, "cache_config.cache_dtype") or _attr(vllm_config, "model_config.dtype")),
-                "group_block_tokens": self.gpu_block_size,
-                "group_page_bytes": group_bytes,
-                "block_size_factor": self.block_size_factor,
-                "parallel": [self.num_ranks, _attr(parallel, "decode_context_parallel_size", 1),
-                             _attr(parallel, "prefill_context_parallel_size", 1)],
-            },
+            KVIdentity(
+                model=_attr(vllm_config, "model_config.model"),
+                dtype=str(_attr(vllm_config, "cache_config.cache_dtype") or _attr(vllm_config, "model_config.dtype")),
+                group_block_tokens=self.gpu_block_size,
+                blocks_per_chunk=self.block_size_factor,
+                parallel=(self.num_ranks, _attr(parallel, "decode_context_parallel_size", 1),
+                          _attr(parallel, "prefill_context_parallel_size", 1)),
+                group_page_bytes=tuple(group_bytes),
+            ),
             self.block_bytes_per_rank,
             self.num_ranks,
             str(_attr(vllm_config, "kv_transfer_config.engine_id", "engine")),
@@ -211,8 +218,9 @@ class LocalOffloadingSpec(OffloadingSpec):
             self._pool = None
 
 
-class RayOffloadingSpec(LocalOffloadingSpec):
-    """A replica of a Ray cluster, sharing one cache with every replica of its namespace.
+class ClusterOffloadingSpec(LocalOffloadingSpec):
+    """A replica of a seed-API engine in a Ray cluster, sharing one cache with every
+    replica of its namespace.
 
     The scheduler's manager joins the cluster (`ray_address`; none starts an embedded
     local Ray), makes sure this node's NodeAgent runs, registers the replica with the

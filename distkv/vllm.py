@@ -53,6 +53,7 @@ except ImportError as e:
 
 from distkv import abstract
 from distkv.cluster import ClusterOffloadingManager
+from distkv.config import KVIdentity
 from distkv.handlers import make_handlers
 from distkv.manager import LocalOffloadingManager
 from distkv.pool import HostPool
@@ -113,17 +114,17 @@ def replica_plan(config: OffloadingConfig) -> ReplicaPlan:
     parallel = config.parallel
     return ReplicaPlan.derive(
         {k: v for k, v in extra.items() if k not in VLLM_CONNECTOR_KEYS},
-        {
-            "model": config.model.name,
-            "dtype": config.model.dtype,
-            "kv_cache_layout": config.kv_cache_layout,
-            "group_block_tokens": [group.tokens_per_block for group in config.groups],
-            "worker_kv_bytes_per_block": config.worker_kv_bytes_per_block,
-            "blocks_per_chunk": blocks_per_chunk,
-            "tokens_per_hash": config.cache.tokens_per_hash,
-            "prefix_hash_seed": hashlib.sha256(prefix_hash_seed().encode()).hexdigest(),
-            "parallel": [parallel.world_size, parallel.tp_size, parallel.pp_size, parallel.pcp_size, parallel.dcp_size],
-        },
+        KVIdentity(
+            model=config.model.name,
+            dtype=config.model.dtype,
+            group_block_tokens=tuple(group.tokens_per_block for group in config.groups),
+            blocks_per_chunk=blocks_per_chunk,
+            parallel=(parallel.world_size, parallel.tp_size, parallel.pp_size, parallel.pcp_size, parallel.dcp_size),
+            worker_kv_bytes_per_block=config.worker_kv_bytes_per_block,
+            kv_cache_layout=config.kv_cache_layout,
+            tokens_per_hash=config.cache.tokens_per_hash,
+            prefix_hash_seed=hashlib.sha256(prefix_hash_seed().encode()).hexdigest(),
+        ),
         config.worker_kv_bytes_per_block * blocks_per_chunk,
         parallel.world_size,
         config.engine_id,
@@ -139,13 +140,17 @@ class _ReusedKeys:
         self.keys: dict[abstract.OffloadKey, None] = {}
 
 
+# vLLM's answer for each of distkv's LookupResults, indexed by it: the same four answers.
+VLLM_LOOKUP_ANSWERS: tuple[LookupResult, ...] = tuple(LookupResult[r.name] for r in abstract.LookupResult)
+
+
 class DistkvOffloadingManager(OffloadingManager):
     """vLLM 0.33's OffloadingManager over a replica's ClusterOffloadingManager.
 
-    lookup maps distkv's answers: ready -> HIT; absent -> MISS; in flight -> RETRY while
-    the block is being promoted from another replica (it may still fail into a miss),
-    HIT_PENDING while a store of this replica is (it only waits for the worker).
-    Recency is applied when a request finishes: the blocks it loaded, or offered for
+    lookup gives the cluster manager's lookup_result as vLLM's LookupResult of the same
+    name: RETRY while a block is being promoted from another replica (it may still fail
+    into a miss), HIT_PENDING while a store of this replica is (it only waits for the
+    worker). Recency is applied when a request finishes: the blocks it loaded, or offered for
     storing and found stored, are touched in the order it used them. Until then the
     blocks its lookups answered HIT are protected from eviction by the cluster manager.
     """
@@ -166,14 +171,7 @@ class DistkvOffloadingManager(OffloadingManager):
     # ---- hot path --------------------------------------------------------------------
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
-        hit = self.cluster.lookup(key, req_context)
-        if hit:
-            return LookupResult.HIT
-        if hit is False:
-            return LookupResult.MISS
-        if self.cluster.is_promoting(key):
-            return LookupResult.RETRY
-        return LookupResult.HIT_PENDING
+        return VLLM_LOOKUP_ANSWERS[self.cluster.lookup_result(key, req_context)]
 
     def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> LoadStoreSpec:
         spec = self.cluster.prepare_load(keys, req_context)

@@ -15,7 +15,7 @@ import ray
 
 from distkv.abstract import ReqContext
 from distkv.harness import Replica
-from distkv.spec import RayOffloadingSpec
+from distkv.spec import ClusterOffloadingSpec
 from distkv.stats import ReplicaStats
 
 
@@ -33,7 +33,7 @@ class ReplicaActor:
         config = dict(extra_config)
         if block_size_factor > 1:
             config["block_size"] = block_tokens * block_size_factor
-        spec = RayOffloadingSpec.from_layout(
+        spec = ClusterOffloadingSpec.from_layout(
             config,
             gpu_block_sizes=[block_tokens],
             group_page_bytes=[2 * page_bytes],

@@ -21,7 +21,7 @@ from distkv.abstract import OffloadingSpec
 from distkv.cluster import ClusterOffloadingManager
 from distkv.demo.model import ModelConfig, PagedKV, TinyDecoder, prefill
 from distkv.harness import Prefill, Replica, block_keys
-from distkv.spec import RayOffloadingSpec
+from distkv.spec import ClusterOffloadingSpec
 from distkv.transport import NixlTransport, ObjectStoreTransport
 
 SOURCES = ("local", "same_node", "cross_node")
@@ -41,7 +41,7 @@ def demo_spec(
     extra_config: Mapping[str, Any],
     model: ModelConfig,
     block_tokens: int,
-    spec_class: type[OffloadingSpec] = RayOffloadingSpec,
+    spec_class: type[OffloadingSpec] = ClusterOffloadingSpec,
 ) -> OffloadingSpec:
     """The offloading spec of a demo replica: its KV layout is the model's paged cache.
     `spec_class` LocalOffloadingSpec: a pool of its own that it shares with nobody."""

@@ -29,7 +29,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from distkv.harness import Replica
 from distkv.names import RAY_NAMESPACE, SEGMENT_PREFIX, agent_name
-from distkv.spec import RayOffloadingSpec
+from distkv.spec import ClusterOffloadingSpec
 from ray_actors.directory import get_or_create_shards, kill_shards
 
 # Workers cannot import this module (tests/faults is not on their path): ship it by value.
@@ -89,7 +89,7 @@ class TimedReplica(Replica):
 @ray.remote(num_cpus=0)
 class FaultReplica:
     def __init__(self, replica_id: str, extra_config: dict, pool_blocks: int, gpu_blocks: int = 48):
-        spec = RayOffloadingSpec.from_layout(
+        spec = ClusterOffloadingSpec.from_layout(
             {**extra_config, "cpu_bytes_to_use": pool_blocks * SLOT_BYTES},
             gpu_block_sizes=[BLOCK_TOKENS],
             group_page_bytes=[SLOT_BYTES],
@@ -203,7 +203,7 @@ class Workload:
     def __init__(self, promotion_timeout_s: float = 2.0, docs: int = 16, batch: int = 6, seed: int = 0, **extra: Any):
         self.promotion_timeout_s = promotion_timeout_s
         self.config = {"tenant_salt": uuid.uuid4().hex, "promotion_timeout_s": promotion_timeout_s, **extra}
-        self.namespace = RayOffloadingSpec.from_layout(
+        self.namespace = ClusterOffloadingSpec.from_layout(
             self.config, gpu_block_sizes=[BLOCK_TOKENS], group_page_bytes=[SLOT_BYTES]
         ).namespace
         self.rng = np.random.default_rng(seed)

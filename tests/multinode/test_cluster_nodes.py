@@ -19,7 +19,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from distkv.directory import unpack
 from distkv.harness import block_keys
 from distkv.names import RAY_NAMESPACE, SEGMENT_PREFIX, agent_name, segment_name
-from distkv.spec import RayOffloadingSpec
+from distkv.spec import ClusterOffloadingSpec
 from ray_actors.directory import get_or_create_shards, kill_shards
 from ray_actors.replica import ReplicaActor
 
@@ -45,7 +45,7 @@ class Replicas:
         self.runtime_env = runtime_env
         self.page_bytes = page_bytes
         self.config = {"tenant_salt": uuid.uuid4().hex, **extra}
-        self.namespace = RayOffloadingSpec.from_layout(
+        self.namespace = ClusterOffloadingSpec.from_layout(
             self.config, gpu_block_sizes=[block_tokens], group_page_bytes=[2 * page_bytes]
         ).namespace
         self.actors: dict[str, ray.actor.ActorHandle] = {}

@@ -11,7 +11,7 @@ import ray
 from distkv.abstract import ReqContext
 from distkv.harness import Replica, block_keys
 from distkv.names import RAY_NAMESPACE, SEGMENT_PREFIX, agent_name
-from distkv.spec import RayOffloadingSpec
+from distkv.spec import ClusterOffloadingSpec
 from ray_actors.directory import get_or_create_shards, kill_shards
 from ray_actors.node_agent import PRUNE_INTERVAL_S
 
@@ -20,7 +20,7 @@ PAGE_BYTES = 32 << 10
 
 
 def make_replica(salt: str, pool_blocks: int = 128, **extra) -> Replica:
-    spec = RayOffloadingSpec.from_layout(
+    spec = ClusterOffloadingSpec.from_layout(
         {"cpu_bytes_to_use": pool_blocks * 2 * PAGE_BYTES, "tenant_salt": salt, **extra},
         gpu_block_sizes=[BLOCK_TOKENS],
         group_page_bytes=[2 * PAGE_BYTES],

@@ -21,7 +21,7 @@ import ray
 
 from distkv.harness import Replica
 from distkv.names import agent_name, shard_name
-from distkv.spec import RayOffloadingSpec
+from distkv.spec import ClusterOffloadingSpec
 from ray_actors.directory import get_or_create_shards, kill_shards
 
 CHROMIUM = "/usr/bin/chromium"
@@ -103,7 +103,7 @@ def dashboard_token() -> str | None:
 @pytest.fixture
 def replica(ray_with_dashboard):
     """A replica in this process: it starts the node's NodeAgent and its namespace's Directory shard."""
-    spec = RayOffloadingSpec.from_layout(
+    spec = ClusterOffloadingSpec.from_layout(
         {"cpu_bytes_to_use": 64 * 2 * PAGE_BYTES, "tenant_salt": uuid.uuid4().hex},
         gpu_block_sizes=[16],
         group_page_bytes=[2 * PAGE_BYTES],

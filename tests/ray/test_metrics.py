@@ -19,7 +19,7 @@ from distkv.abstract import ReqContext
 from distkv.harness import Replica, block_keys
 from distkv.metrics import METRICS
 from distkv.names import RAY_NAMESPACE, agent_name
-from distkv.spec import RayOffloadingSpec
+from distkv.spec import ClusterOffloadingSpec
 from distkv.stats import LookupCounts
 from ray_actors.directory import kill_shards
 
@@ -32,7 +32,7 @@ RAY_LABELS = {"SessionName", "NodeAddress", "Component", "Version", "WorkerId", 
 
 
 def make_replica(salt: str) -> Replica:
-    spec = RayOffloadingSpec.from_layout(
+    spec = ClusterOffloadingSpec.from_layout(
         {"cpu_bytes_to_use": POOL_BLOCKS * BLOCK_BYTES, "tenant_salt": salt},
         gpu_block_sizes=[BLOCK_TOKENS],
         group_page_bytes=[BLOCK_BYTES],

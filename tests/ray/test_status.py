@@ -22,7 +22,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from distkv import status
 from distkv.abstract import ReqContext
 from distkv.harness import Replica, block_keys
-from distkv.spec import RayOffloadingSpec
+from distkv.spec import ClusterOffloadingSpec
 from ray_actors.replica import ReplicaActor
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -44,7 +44,7 @@ def sharing(cluster):
     """A on the head (in this process), B and C on the other node, sharing one namespace."""
     config = {"cpu_bytes_to_use": POOL_BLOCKS * BLOCK_BYTES, "tenant_salt": uuid.uuid4().hex}
     a = Replica(
-        RayOffloadingSpec.from_layout(
+        ClusterOffloadingSpec.from_layout(
             config, gpu_block_sizes=[BLOCK_TOKENS], group_page_bytes=[BLOCK_BYTES], engine_id=f"a{uuid.uuid4().hex[:6]}"
         ),
         num_gpu_blocks=64,

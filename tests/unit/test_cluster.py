@@ -6,7 +6,6 @@ store policies, events) are tested in one process. tests/ray and tests/multinode
 the same flows through the real actors.
 """
 
-import threading
 import time
 import uuid
 from concurrent.futures import Future

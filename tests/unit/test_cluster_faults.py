@@ -9,7 +9,7 @@ import pytest
 
 import distkv.cluster
 from cluster_fakes import FakeDirectory, FakeLink
-from distkv.abstract import ReqContext
+from distkv.abstract import LookupResult, ReqContext
 from distkv.cluster import OVERDUE_GRACE_S, ClusterOffloadingManager
 from distkv.directory import ReplicaInfo
 from distkv.harness import block_keys
@@ -123,10 +123,31 @@ def test_only_overdue_promotions_fail(clock):
     assert manager.lookup(k(1), ctx) is None
     clock.now += TIMEOUT_S + OVERDUE_GRACE_S - 0.5
     manager.take_events()
-    assert not manager.is_promoting(k(0)) and manager.is_promoting(k(1))
+    assert manager.lookup_result(k(0), ctx) is LookupResult.MISS  # failed: not promoting any more
+    assert manager.lookup_result(k(1), ctx) is LookupResult.RETRY  # still being promoted
     promoter.report(k(1), True)
     manager.take_events()
     assert manager.lookup(k(1), ctx) is True
+
+
+def test_lookup_result_tells_a_promotion_from_a_store_in_flight(clock):
+    """vLLM defers a request on both, but only a promotion may still end in a miss: the
+    manager says which, and the seed's lookup answers None for both."""
+    directory = FakeDirectory()
+    held_elsewhere(directory, [k(0)])
+    manager, promoter = silent_manager(directory)
+    ctx = ReqContext("r")
+    assert manager.lookup_result(k(9), ctx) is LookupResult.MISS  # nobody holds it
+    assert manager.lookup_result(k(0), ctx) is LookupResult.RETRY  # starts its promotion
+    assert manager.lookup_result(k(0), ctx) is LookupResult.RETRY
+    assert manager.prepare_store([k(1)], ctx).keys_to_store == [k(1)]
+    assert manager.lookup_result(k(1), ctx) is LookupResult.HIT_PENDING  # this replica's own store
+    assert manager.lookup(k(0), ctx) is None and manager.lookup(k(1), ctx) is None
+    manager.complete_store([k(1)], ctx)
+    promoter.report(k(0), False)
+    assert manager.lookup_result(k(1), ctx) is LookupResult.HIT
+    assert manager.lookup_result(k(0), ctx) is LookupResult.MISS  # its promotion failed
+    assert [manager.lookup(k(i), ctx) for i in (1, 0, 9)] == [True, False, False]
 
 
 # ---- finding 3: a reset moves the replica to a new cache epoch ----------------------

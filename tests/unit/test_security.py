@@ -1,6 +1,7 @@
 """Security: pools private to their user, names that never collide, calls refused across
 cache namespaces, Ray token authentication left on in every cluster distkv starts."""
 
+import dataclasses
 import os
 import re
 import stat
@@ -11,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from distkv.config import cache_namespace
+from distkv.config import KVIdentity, cache_namespace
 from distkv.directory import check_namespace
 from distkv.names import check_pool_namespace, segment_name
 from distkv.pool import HostPool, PoolLayout
@@ -63,8 +64,21 @@ def test_engines_whose_ids_differ_only_in_punctuation_get_different_pools():
 @settings(max_examples=100)
 @given(st.text(max_size=8), st.text(max_size=8))
 def test_tenant_salts_give_different_namespaces(s1, s2):
-    kv = {"model": "m", "dtype": "bf16", "block": 16}
+    kv = KVIdentity(model="m", dtype="bf16", group_block_tokens=(16,), blocks_per_chunk=1, parallel=(1,))
     assert (cache_namespace(kv, s1) == cache_namespace(kv, s2)) == (s1 == s2)
+
+
+def test_every_field_of_the_kv_identity_is_part_of_the_namespace():
+    """Replicas that differ in anything that makes their bytes differ never share a namespace."""
+    kv = KVIdentity(model="m", dtype="bf16", group_block_tokens=(16,), blocks_per_chunk=1, parallel=(1,))
+    others = {
+        "model": "m2", "dtype": "fp8", "group_block_tokens": (32,), "blocks_per_chunk": 4, "parallel": (2,),
+        "group_page_bytes": (4096,), "worker_kv_bytes_per_block": 4096, "kv_cache_layout": "HND",
+        "tokens_per_hash": 16, "prefix_hash_seed": "ab",
+    }
+    assert set(others) == {f.name for f in dataclasses.fields(KVIdentity)}
+    namespaces = {cache_namespace(dataclasses.replace(kv, **{name: value})) for name, value in others.items()}
+    assert len(namespaces | {cache_namespace(kv)}) == len(others) + 1
 
 
 def test_calls_for_another_namespace_are_refused():

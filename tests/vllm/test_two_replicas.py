@@ -17,6 +17,7 @@ pytest.importorskip("vllm.v1.kv_offload.base")
 from replica_engine import DISTKV_EXTRA, GPU_BLOCK_TOKENS, EngineReplica  # noqa: E402
 from vllm.v1.kv_offload.base import LookupResult, Medium, ReqContext, make_offload_key  # noqa: E402
 
+from distkv import abstract  # noqa: E402
 from distkv.vllm import DistkvOffloadingManager, RayOffloadingSpec  # noqa: E402
 from ray_actors.directory import kill_shards  # noqa: E402
 
@@ -92,6 +93,19 @@ def test_lookup_maps_distkv_answers_to_vllm_results(replicas):
         assert not manager.has_pending_work()
         manager.complete_store([key], ctx)
         assert manager.lookup(key, ctx) is LookupResult.HIT
+
+
+@pytest.mark.parametrize("answer", list(abstract.LookupResult))
+def test_lookup_gives_each_answer_of_the_cluster_manager_as_vllm_s_of_that_name(answer):
+    """RETRY (a promotion, which may still fail) and HIT_PENDING (a store of this replica)
+    stay apart on the way to vLLM's scheduler."""
+
+    class AnsweringCluster:  # a cluster manager whose every lookup gives `answer`
+        def lookup_result(self, key, req_context):
+            return answer
+
+    manager = DistkvOffloadingManager(AnsweringCluster(), pool=None, enable_events=False)
+    assert manager.lookup(make_offload_key(b"\x07" * 32, 0), ReqContext("probe")) is LookupResult[answer.name]
 
 
 @pytest.mark.parametrize("kv_events", [False, True])
