@@ -25,7 +25,7 @@ import ray  # noqa: E402
 
 from distkv.directory import DirectoryLink, ReplicaInfo, pack, shard_of  # noqa: E402
 from distkv.names import RAY_NAMESPACE, segment_name  # noqa: E402
-from ray_actors.directory import get_or_create_shards, head_node_id, kill_shards  # noqa: E402
+from ray_actors.directory import get_or_create_shards, head_node_id, kill_shards, shard_clients  # noqa: E402
 
 BATCH = 1000
 LANES_PER_SHARD = 2
@@ -105,8 +105,8 @@ def percentiles(samples: list[float]) -> tuple[float, float]:
 def visibility(namespace: str, samples: int) -> list[float]:
     """Seconds from `stored()` on one link to `holders()` answering on another."""
     node = head_node_id()
-    a = DirectoryLink(namespace, ReplicaInfo("a", node, segment_name(namespace, "a"), 1 << 20, 1, 4096), 2)
-    b = DirectoryLink(namespace, ReplicaInfo("b", node, segment_name(namespace, "b"), 1 << 20, 1, 4096), 2)
+    a = DirectoryLink(namespace, ReplicaInfo("a", node, segment_name(namespace, "a"), 1 << 20, 1, 4096), shard_clients(namespace, 2))
+    b = DirectoryLink(namespace, ReplicaInfo("b", node, segment_name(namespace, "b"), 1 << 20, 1, 4096), shard_clients(namespace, 2))
     a.start()
     b.start()
     try:

@@ -104,6 +104,9 @@ def join_cluster(plan: ReplicaPlan, pool: HostPool, local: LocalOffloadingManage
     node's NodeAgent runs, registers the replica with the Directory and wraps `local`.
     `pool` is the scheduler's mapping of the replica's pool: it claims the replica's name
     until it closes, and a ValueError says so if a live replica on this node has it.
+
+    This is where the library meets Ray's actors (`ray_actors`): it creates them and
+    hands their handles to the plain classes, which never import them.
     """
     if not pool.claim():
         raise ValueError(
@@ -118,6 +121,7 @@ def join_cluster(plan: ReplicaPlan, pool: HostPool, local: LocalOffloadingManage
     from distkv.names import RAY_NAMESPACE
     from distkv.promotion import Promoter
     from distkv.transport import ObjectStoreTransport
+    from ray_actors.directory import shard_clients
     from ray_actors.node_agent import AgentFetch, start_node_agent
 
     config = plan.config
@@ -140,7 +144,7 @@ def join_cluster(plan: ReplicaPlan, pool: HostPool, local: LocalOffloadingManage
         layout.slot_bytes,
         endpoint=transport.endpoint,
     )
-    link = DirectoryLink(plan.namespace, info, config.directory_shards)
+    link = DirectoryLink(plan.namespace, info, shard_clients(plan.namespace, config.directory_shards))
     link.start()
     promoter = Promoter(pool, node_id, link.replica, transport, namespace=plan.namespace)
     manager = ClusterOffloadingManager(

@@ -3,7 +3,8 @@
 Each shard is a detached, restartable asyncio actor pinned to the head node around a
 `DirectoryState`. Long polls for changes wait on an event, so they never hold up
 publishes. A restarted shard starts empty with a new epoch; the replicas' links notice
-and publish everything again.
+and publish everything again. `shard_clients` hands a replica's `DirectoryLink` its
+shards as the `ShardClient`s it calls.
 """
 
 from __future__ import annotations
@@ -11,14 +12,16 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import weakref
 from collections.abc import Sequence
+from concurrent.futures import Future
 
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from distkv import metrics
 from distkv.abstract import OffloadKey
-from distkv.directory import (
+from distkv.directory_state import (
     Cursor,
     DirectoryState,
     ReplicaInfo,
@@ -162,6 +165,42 @@ def head_node_id() -> str:
     raise RuntimeError("no live head node in ray.nodes()")
 
 
+class ShardActorClient:
+    """A `DirectoryShard` actor as a `distkv.directory.ShardClient`: each method calls the
+    actor's and returns the Future of its answer."""
+
+    def __init__(self, actor: ray.actor.ActorHandle) -> None:
+        self.actor = actor
+        # the ObjectRef behind each poll's Future, for `cancel`
+        self._polls: weakref.WeakKeyDictionary[Future, ray.ObjectRef] = weakref.WeakKeyDictionary()
+
+    def register(self, info: ReplicaInfo, seq: int, stored: bytes, namespace: str) -> Future:
+        return self.actor.register.remote(info, seq, stored, namespace=namespace).future()
+
+    def publish(self, replica_id: str, seq: int, changes: bytes, report: dict | None, namespace: str) -> Future:
+        return self.actor.publish.remote(replica_id, seq, changes, report, namespace=namespace).future()
+
+    def unregister(self, replica_id: str, namespace: str) -> Future:
+        return self.actor.unregister.remote(replica_id, namespace=namespace).future()
+
+    def changes(self, cursor: Cursor | None, timeout_s: float, namespace: str, follower: str | None) -> Future:
+        ref = self.actor.changes.remote(cursor, timeout_s, namespace=namespace, follower=follower)
+        future = ref.future()
+        self._polls[future] = ref
+        return future
+
+    def query(self, keys: Sequence[OffloadKey], namespace: str) -> Future:
+        return self.actor.query.remote(keys, namespace=namespace).future()
+
+    def cancel(self, future: Future) -> None:
+        ref = self._polls.pop(future, None)
+        if ref is not None:
+            ray.cancel(ref)
+
+    def __repr__(self) -> str:
+        return f"ShardActorClient({self.actor!r})"
+
+
 def get_or_create_shards(
     namespace: str, num_shards: int, *, replica_timeout_s: float = REPLICA_TIMEOUT_S
 ) -> list[ray.actor.ActorHandle]:
@@ -189,6 +228,11 @@ def get_or_create_shards(
         ).remote(replica_timeout_s, namespace, shard)
         for shard in range(num_shards)
     ]
+
+
+def shard_clients(namespace: str, num_shards: int) -> list[ShardActorClient]:
+    """`get_or_create_shards`, each shard as the `ShardClient` a `DirectoryLink` takes."""
+    return [ShardActorClient(actor) for actor in get_or_create_shards(namespace, num_shards)]
 
 
 def kill_shards(namespace: str) -> int:

@@ -5,6 +5,8 @@ replicas on its nodes, sends one trace through a round-robin router three times 
 distkv; with each replica offloading to its own pool only, as vLLM's native CPU offloading
 does; with offloading off), checks every loaded block, and reports where the prompt tokens
 came from, the time to first token and the bytes moved per path and transport.
+
+It wires the cluster together, so it may import `ray_actors` (the library's classes never do).
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ from clusters import simulated_cluster
 
 from distkv.directory import DirectoryLink, ReplicaInfo, pack
 from distkv.names import segment_name
-from ray_actors.directory import get_or_create_shards, head_node_id, kill_shards
+from ray_actors.directory import get_or_create_shards, head_node_id, kill_shards, shard_clients
 
 MB = 1024**2
 
@@ -24,7 +24,8 @@ def test_holders_on_a_dead_node_are_dropped(cluster):
     namespace = "test" + uuid.uuid4().hex[:8]
     shards = get_or_create_shards(namespace, 2)
     head = head_node_id()
-    watcher = DirectoryLink(namespace, ReplicaInfo("watcher", head, segment_name(namespace, "watcher"), 8, 1, 4096), 2)
+    watcher_info = ReplicaInfo("watcher", head, segment_name(namespace, "watcher"), 8, 1, 4096)
+    watcher = DirectoryLink(namespace, watcher_info, shard_clients(namespace, 2))
     watcher.start()
     try:
         keys = [i.to_bytes(8, "big") * 4 + b"\0\0\0\0" for i in range(16)]

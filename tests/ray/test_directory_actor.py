@@ -8,7 +8,7 @@ import ray
 
 from distkv.directory import PROMOTED_FLUSH_DELAY_S, DirectoryLink, Holder, ReplicaInfo, pack, shard_of, unpack
 from distkv.names import segment_name
-from ray_actors.directory import get_or_create_shards, kill_shards
+from ray_actors.directory import get_or_create_shards, kill_shards, shard_clients
 
 pytestmark = pytest.mark.usefixtures("ray_session")
 
@@ -47,7 +47,8 @@ def make_link(namespace):
 
     def make(replica_id: str, num_shards: int = 2) -> DirectoryLink:
         node_id = ray.get_runtime_context().get_node_id()
-        link = DirectoryLink(namespace, ReplicaInfo(replica_id, node_id, segment_name(namespace, replica_id), 64, 2, 4096), num_shards)
+        info = ReplicaInfo(replica_id, node_id, segment_name(namespace, replica_id), 64, 2, 4096)
+        link = DirectoryLink(namespace, info, shard_clients(namespace, num_shards))
         link.start()
         links.append(link)
         return link

@@ -1,5 +1,4 @@
 import hashlib
-import os
 
 import pytest
 from hypothesis import given, settings

@@ -8,82 +8,12 @@ as a shard that is down does.
 
 import itertools
 import time
-from concurrent.futures import Future
 
 import pytest
+from directory_fakes import FakeShard, key
 
 import distkv.directory as directory
-import ray_actors.directory
-from distkv.directory import DirectoryLink, DirectoryState, ReplicaInfo, pack, unpack
-
-
-def key(i: int) -> bytes:
-    return i.to_bytes(8, "big") * 4 + b"\0\0\0\0"
-
-
-class ShardDown(Exception):
-    pass
-
-
-class FakeRef:
-    def __init__(self) -> None:
-        self._future: Future = Future()
-
-    def future(self) -> Future:
-        return self._future
-
-
-class FakeShard:
-    """A shard actor: its calls wait in `calls` until `answer` runs them on `state`."""
-
-    def __init__(self) -> None:
-        self.state = DirectoryState()
-        self.calls: list[tuple[str, tuple, dict, FakeRef]] = []
-        self.up = True
-
-    def __getattr__(self, method: str):
-        shard = self
-
-        class Method:
-            @staticmethod
-            def remote(*args, **kwargs):
-                ref = FakeRef()
-                shard.calls.append((method, args, kwargs, ref))
-                return ref
-
-        return Method
-
-    def answer(self, methods=("register", "publish", "unregister", "changes")) -> list[str]:
-        """Run (or, when down, fail) the calls in flight of `methods`, in order; their names."""
-        answered = []
-        for call in [c for c in self.calls if c[0] in methods]:
-            self.calls.remove(call)
-            method, args, kwargs, ref = call
-            answered.append(method)
-            if not self.up:
-                ref.future().set_exception(ShardDown("the shard is down"))
-                continue
-            ref.future().set_result(getattr(self, "_" + method)(*args, **kwargs))
-        return answered
-
-    def _register(self, info, seq, stored, namespace):
-        self.state.register(info)
-        self.state.publish(info.replica_id, seq, unpack(stored), ())
-        return self.state.epoch, True
-
-    def _publish(self, replica_id, seq, changes, report, namespace):
-        stored, removed = unpack(changes)
-        return self.state.epoch, self.state.publish(replica_id, seq, stored, removed)
-
-    def _unregister(self, replica_id, namespace):
-        return self.state.unregister(replica_id)
-
-    def _changes(self, cursor, timeout_s, namespace, follower=None):
-        return pack(self.state.changes(cursor))
-
-    def held_by(self, replica_id: str) -> dict[bytes, tuple[int, int]]:
-        entries = [e for e in self.state.changes(None).entries if e[0] == replica_id]
-        return {k: (row, gen) for _, _, stored, _ in entries for k, row, gen in stored}
+from distkv.directory import DirectoryLink, DirectoryState, ReplicaInfo
 
 
 class Stepper:
@@ -96,33 +26,24 @@ class Stepper:
     def step(self, advance_s: float = 10.0) -> None:
         """One pass of the link's loop, `advance_s` later than the last: every timer due."""
         self.now += advance_s
-        self.link._take_inbox()
-        for shard in self.link._shards:
-            self.link._service(shard, self.now)
+        self.link.step(self.now)
 
 
 @pytest.fixture
-def shards(monkeypatch):
-    made: list[FakeShard] = []
-
-    def get_or_create_shards(namespace, num_shards):
-        made.extend(FakeShard() for _ in range(num_shards - len(made)))
-        return made[:num_shards]
-
-    monkeypatch.setattr(ray_actors.directory, "get_or_create_shards", get_or_create_shards)
-    return made
+def shards():
+    return [FakeShard()]
 
 
-def make_link(replica_id: str = "a", num_rows: int = 1 << 20) -> DirectoryLink:
+def make_link(shards: list[FakeShard], replica_id: str = "a", num_rows: int = 1 << 20) -> DirectoryLink:
     info = ReplicaInfo(replica_id, "node-1", f"distkv-ns-{replica_id}", num_rows, 1, 4096)
-    return DirectoryLink("ns", info, 1)
+    return DirectoryLink("ns", info, shards)
 
 
 def test_pending_changes_stay_bounded_while_a_shard_is_down_and_it_is_refilled_from_what_is_held(
     shards, monkeypatch
 ):
     monkeypatch.setattr(directory, "MAX_PENDING_KEYS", 64)
-    link = make_link()
+    link = make_link(shards)
     (shard,) = shards
     stepper = Stepper(link, time.monotonic())
     stepper.step()
@@ -142,8 +63,8 @@ def test_pending_changes_stay_bounded_while_a_shard_is_down_and_it_is_refilled_f
         link.removed([k for k, _, _ in batch])
         stepper.step()
         shard.answer()
-        (state,) = link._shards
-        largest = max(largest, len(state.pending))
+        (publisher,) = link._publishers
+        largest = max(largest, len(publisher.pending))
     assert largest <= 64 + 8 * 2  # the bound, and one step's changes at most
 
     link.removed([kept[0][0]])
@@ -159,7 +80,7 @@ def test_a_publish_the_old_incarnation_took_just_before_it_died_is_in_the_refill
     """`ray.kill` returns before the actor is gone, and calls made right after it usually
     still reach the old incarnation: a publish it applied then dies with it, and the
     new incarnation must get it from the link's re-register."""
-    link = make_link()
+    link = make_link(shards)
     (shard,) = shards
     stepper = Stepper(link, time.monotonic())
     stepper.step()

@@ -1,0 +1,517 @@
+"""The Directory's data: which replicas of a cache namespace hold which offloaded blocks.
+
+`DirectoryState` is one shard of the cluster-wide index `OffloadKey -> holders`; its
+`ChangeLog` numbers every change so that followers replay them to keep a `ShardView`, a
+local copy. Plain data and logic, no Ray: `ray_actors.directory` wraps a state in an
+actor per shard, and `distkv.directory`'s link follows the shards' logs.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import pickle
+import random
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any, NamedTuple
+
+from distkv.abstract import OffloadKey
+from distkv.manager import MIN_KEY_BYTES, check_keys, key_problem
+from distkv.pool import MAX_KEY_BYTES
+from distkv.rdma import PoolEndpoint
+
+# (key, row, generation): a block this replica made loadable in one of its pool's rows.
+StoredEntry = tuple[OffloadKey, int, int]
+# (replica_id, node_id, stored, removed): one replica's change, stored applied after removed.
+LogEntry = tuple[str, str, list[StoredEntry], list[OffloadKey]]
+# A Holder's fields in a plain tuple, as the Directory keeps and sends them: a plain tuple
+# pickles without a Python call, several times faster than a NamedTuple.
+HolderFields = tuple[str, str, int, int]
+
+
+class Holder(NamedTuple):
+    """A replica holding a block: in row `row` of its pool, sealed with `generation`."""
+
+    replica_id: str
+    node_id: str
+    row: int
+    generation: int
+
+
+@dataclass(frozen=True)
+class ReplicaInfo:
+    """A replica that holds blocks, and the layout of its pool so a reader can map its rows.
+
+    `cache_epoch` counts the replica's cache resets: replicas share blocks only within one
+    epoch. It is part of the replica's id too (see ClusterOffloadingManager), so an id's
+    info never changes and no view can pair a holder with another epoch's info.
+    `endpoint`: where its pool can be read one-sidedly (NIXL), if it registered it; the
+    Directory hands it only to replicas of the same cache namespace.
+    """
+
+    replica_id: str
+    node_id: str
+    pool_name: str
+    num_rows: int
+    num_ranks: int
+    slot_bytes: int
+    cache_epoch: int = 0
+    endpoint: PoolEndpoint | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("replica_id", "node_id", "pool_name"):
+            value = getattr(self, name)
+            if not isinstance(value, str) or not value:
+                raise ValueError(f"ReplicaInfo.{name}={value!r}: must be a non-empty str")
+        for name in ("num_rows", "num_ranks", "slot_bytes"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"ReplicaInfo.{name}={value!r}: must be a positive int")
+        if type(self.cache_epoch) is not int or self.cache_epoch < 0:
+            raise ValueError(f"ReplicaInfo.cache_epoch={self.cache_epoch!r}: must be an int >= 0")
+        if self.endpoint is not None and not isinstance(self.endpoint, PoolEndpoint):
+            raise ValueError(f"ReplicaInfo.endpoint={self.endpoint!r}: must be a PoolEndpoint or None")
+
+
+class Cursor(NamedTuple):
+    """How far a follower has read a shard's changes."""
+
+    epoch: str
+    position: int
+    replicas_version: int
+
+
+class Changes(NamedTuple):
+    """What a follower at some cursor has not seen yet.
+
+    `entries` are applied in order; when `is_snapshot` they describe the whole shard and
+    replace what the follower had. `replicas` is every registered replica, or None when
+    that set did not change since the cursor.
+    """
+
+    cursor: Cursor
+    entries: list[LogEntry]
+    replicas: dict[str, ReplicaInfo] | None
+    is_snapshot: bool
+
+
+def pack(payload: object) -> bytes:
+    """A bulk payload (stored entries, changes, query answers) as it crosses Ray.
+
+    Ray's cloudpickle runs a Python hook for every tuple and list in a payload (~0.7 us
+    each, most of a 1k-key call); the C pickler does not, so bulk payloads travel as
+    its bytes.
+    """
+    return pickle.dumps(payload, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def unpack(data: bytes) -> Any:
+    """The payload `pack` made `data` from."""
+    return pickle.loads(data)
+
+
+def check_namespace(serves: str, namespace: object, who: str) -> None:
+    """Refuse a call made for cache namespace `namespace` to `who`, which serves `serves`.
+
+    A call naming another namespace (or none) is a ValueError, so that a replica never
+    reads or writes another namespace's blocks.
+    """
+    if namespace != serves:
+        raise ValueError(f"{who} serves cache namespace {serves!r} and refuses a call for namespace {namespace!r}")
+
+
+def shard_of(key: OffloadKey, num_shards: int) -> int:
+    """The shard of `key` among `num_shards`. Keys start with a hash, so its leading bytes spread evenly."""
+    return int.from_bytes(key[:8], "big") % num_shards
+
+
+def check_stored(entries: Iterable[object], num_rows: int) -> None:
+    """Raise ValueError naming the first entry that is not a (key, row, generation) of a pool of `num_rows`."""
+    for entry in entries:
+        # one test for the common case: this runs per block the replica stores
+        if (
+            type(entry) is tuple
+            and len(entry) == 3
+            and type(entry[0]) is bytes
+            and MIN_KEY_BYTES <= len(entry[0]) <= MAX_KEY_BYTES
+            and type(entry[1]) is int
+            and 0 <= entry[1] < num_rows
+            and type(entry[2]) is int
+        ):
+            continue
+        try:
+            key, row, generation = entry
+        except (TypeError, ValueError):
+            raise ValueError(f"stored entry {entry!r} is not a (key, row, generation) triple") from None
+        problem = key_problem(key)
+        if problem is not None:
+            raise ValueError(problem)
+        if not isinstance(row, int) or not 0 <= row < num_rows:
+            raise ValueError(f"stored entry {entry!r}: row {row!r} is not an int in 0..{num_rows - 1}")
+        if not isinstance(generation, int):
+            raise ValueError(f"stored entry {entry!r}: generation {generation!r} is not an int")
+
+
+def _with_holder(current: tuple[HolderFields, ...] | None, holder: HolderFields) -> tuple[HolderFields, ...]:
+    """`current` with `holder` in place of any earlier holder of the same replica (field 0)."""
+    if current is None:
+        return (holder,)
+    replica_id = holder[0]
+    return tuple(h for h in current if h[0] != replica_id) + (holder,)
+
+
+def _drop_holder(holders: dict[OffloadKey, tuple[HolderFields, ...]], key: OffloadKey, replica_id: str) -> None:
+    current = holders.get(key)
+    if current is None:
+        return
+    rest = tuple(h for h in current if h[0] != replica_id)
+    if rest:
+        holders[key] = rest
+    else:
+        del holders[key]
+
+
+class _Replica:
+    __slots__ = ("info", "keys", "last_seq", "last_seen", "report")
+
+    def __init__(self, info: ReplicaInfo, now: float) -> None:
+        self.info = info
+        self.keys: set[OffloadKey] = set()
+        self.last_seq = 0
+        self.last_seen = now
+        self.report: dict | None = None  # its latest stats, as its link sent them
+
+
+class ChangeLog:
+    """A shard's numbered changes and the cursors that point into them.
+
+    Entries are numbered from 0 in the order appended. The log keeps the latest ones, up
+    to about `capacity` keys (the latest entry always), and drops the oldest. `epoch`
+    names this log among every incarnation of its shard, so that a cursor from another
+    one is never read as a position here. `replicas_version` counts the changes to the
+    set of registered replicas; a cursor carries it so that a follower learns when to
+    fetch that set again.
+    """
+
+    def __init__(self, capacity: int) -> None:
+        if not isinstance(capacity, int) or capacity < 1:
+            raise ValueError(f"log_capacity={capacity!r}: must be a positive int")
+        self.epoch = random.randbytes(8).hex()
+        self.replicas_version = 0
+        self._capacity = capacity
+        self._entries: collections.deque[LogEntry] = collections.deque()
+        self._start = 0  # position of _entries[0]
+        self._keys = 0
+        # the position and replica of the latest entry, and the position of the latest
+        # entry by another replica than that: `has_news` in O(1)
+        self._last_entry: tuple[int, str | None] = (-1, None)
+        self._last_other = -1
+
+    def __len__(self) -> int:
+        """How many entries the log keeps now."""
+        return len(self._entries)
+
+    def cursor(self) -> Cursor:
+        """The cursor of a follower that has seen every change so far."""
+        return Cursor(self.epoch, self._start + len(self._entries), self.replicas_version)
+
+    def append(self, entry: LogEntry) -> None:
+        """Add `entry` at the next position, dropping the oldest entries past the capacity."""
+        entries = self._entries
+        last_position, last_replica = self._last_entry
+        if entry[0] != last_replica:
+            self._last_other = last_position
+        self._last_entry = (self._start + len(entries), entry[0])
+        entries.append(entry)
+        self._keys += len(entry[2]) + len(entry[3])
+        while self._keys > self._capacity and len(entries) > 1:
+            _, _, stored, removed = entries.popleft()
+            self._keys -= len(stored) + len(removed)
+            self._start += 1
+
+    def replicas_changed(self) -> None:
+        """Note that a replica came or went: a follower at an earlier cursor needs the set again."""
+        self.replicas_version += 1
+
+    def position(self, cursor: Cursor | None) -> int | None:
+        """Where in the log `cursor` stands; None when it needs a snapshot (None, another
+        epoch, or fallen off the log). A ValueError if `cursor` is no cursor at all."""
+        if cursor is None:
+            return None
+        try:
+            epoch, position, _ = cursor
+        except (TypeError, ValueError):
+            raise ValueError(f"changes: cursor {cursor!r} is not an (epoch, position, replicas_version)") from None
+        end = self._start + len(self._entries)
+        if epoch == self.epoch and isinstance(position, int) and self._start <= position <= end:
+            return position
+        return None
+
+    def since(self, position: int) -> list[LogEntry]:
+        """The entries from `position` (one that `position()` returned) to the latest, in order."""
+        entries = list(itertools.islice(reversed(self._entries), self._start + len(self._entries) - position))
+        entries.reverse()
+        return entries
+
+    def has_news(self, cursor: Cursor | None, follower: str | None = None) -> bool:
+        """Whether a follower at `cursor` has more to learn than `follower`'s own entries:
+        a snapshot, a changed set of replicas, or an entry of another replica."""
+        now = self.cursor()
+        if cursor == now:
+            return False
+        position = self.position(cursor)
+        if position is None or cursor[2] != now.replicas_version:
+            return True
+        last_position, last_replica = self._last_entry
+        return (self._last_other if last_replica == follower else last_position) >= position
+
+
+class DirectoryState:
+    """One shard of the Directory: the holders of every key of the shard.
+
+    Replicas register, then publish numbered batches of stored and removed keys; a batch
+    whose number is not greater than the last one applied for that replica is a retry
+    and is ignored. Every change lands in a log of about `log_capacity` keys that
+    followers read with `changes`; a follower whose cursor fell off the log, or comes
+    from another epoch (an earlier incarnation of the shard), gets a snapshot instead.
+    """
+
+    def __init__(self, log_capacity: int = 1 << 18, clock: Callable[[], float] = time.monotonic) -> None:
+        self._log = ChangeLog(log_capacity)
+        self.epoch = self._log.epoch
+        self._clock = clock
+        self._replicas: dict[str, _Replica] = {}
+        self._holders: dict[OffloadKey, tuple[HolderFields, ...]] = {}
+        self._num_holders = 0
+        self._ops = collections.Counter()
+
+    def register(self, info: ReplicaInfo) -> None:
+        """Add a replica, holding nothing. A replica registered again loses its holders."""
+        if not isinstance(info, ReplicaInfo):
+            raise ValueError(f"register: {info!r} is not a ReplicaInfo")
+        old = self._replicas.get(info.replica_id)
+        if old is not None:
+            self._drop(old)
+        self._replicas[info.replica_id] = _Replica(info, self._clock())
+        self._log.replicas_changed()
+        self._ops["registers"] += 1
+
+    def unregister(self, replica_id: str) -> bool:
+        """Drop a replica and its holders; whether it was registered."""
+        replica = self._replicas.get(replica_id)
+        if replica is None:
+            return False
+        self._drop(replica)
+        self._ops["unregisters"] += 1
+        return True
+
+    def publish(
+        self, replica_id: str, seq: int, stored: Sequence[StoredEntry], removed: Sequence[OffloadKey]
+    ) -> bool:
+        """Apply batch `seq` of a replica's changes (removed first, then stored).
+
+        Returns whether the replica is registered; when it is not, nothing is applied
+        and the replica should register and publish all it holds. Any publish, empty or
+        a retry, counts as a heartbeat.
+        """
+        replica = self._replicas.get(replica_id)
+        if replica is None:
+            self._ops["unknown_publishes"] += 1
+            return False
+        if not isinstance(seq, int):
+            raise ValueError(f"publish: seq {seq!r} is not an int")
+        check_stored(stored, replica.info.num_rows)
+        check_keys(removed)
+        replica.last_seen = self._clock()
+        if seq <= replica.last_seq:
+            self._ops["ignored_publishes"] += 1
+            return True
+        replica.last_seq = seq
+        self._ops["publishes"] += 1
+        if not stored and not removed:
+            return True
+        holders = self._holders
+        keys = replica.keys
+        for key in removed:
+            if key in keys:
+                keys.remove(key)
+                _drop_holder(holders, key, replica_id)
+                self._num_holders -= 1
+        node_id = replica.info.node_id
+        added = 0
+        for key, row, generation in stored:
+            holder = (replica_id, node_id, row, generation)
+            current = holders.get(key)
+            if current is None:
+                holders[key] = (holder,)
+                keys.add(key)
+                added += 1
+            elif len(current) == 1 and current[0][0] == replica_id:
+                holders[key] = (holder,)
+            else:
+                if key not in keys:
+                    keys.add(key)
+                    added += 1
+                holders[key] = _with_holder(current, holder)
+        self._num_holders += added
+        self._ops["stored"] += len(stored)
+        self._ops["removed"] += len(removed)
+        self._log.append((replica_id, node_id, list(stored), list(removed)))
+        return True
+
+    def set_report(self, replica_id: str, report: dict) -> bool:
+        """Keep a registered replica's latest stats (what `distkv status` shows); whether it is registered."""
+        if not isinstance(report, dict):
+            raise ValueError(f"set_report: report {report!r} is not a dict")
+        replica = self._replicas.get(replica_id)
+        if replica is None:
+            return False
+        replica.report = report
+        return True
+
+    def replicas(self) -> list[dict[str, Any]]:
+        """Every registered replica: its ReplicaInfo's fields (the endpoint only as whether
+        it has one: this answers any caller, and the endpoint lets one read the pool), the
+        keys it holds in this shard, seconds since it was last heard from, and its latest
+        report (None before one)."""
+        now = self._clock()
+        return [
+            {
+                **asdict(r.info),
+                "endpoint": r.info.endpoint is not None,
+                "keys": len(r.keys),
+                "seen_s_ago": now - r.last_seen,
+                "report": r.report,
+            }
+            for r in self._replicas.values()
+        ]
+
+    def query(self, keys: Sequence[OffloadKey]) -> list[tuple[HolderFields, ...]]:
+        """The holders of each key, in order, as Holder fields; () for a key nobody holds."""
+        check_keys(keys)
+        self._ops["queries"] += 1
+        self._ops["queried_keys"] += len(keys)
+        get = self._holders.get
+        return [get(key, ()) for key in keys]
+
+    def drop_node(self, node_id: str) -> list[str]:
+        """Drop every replica on a node (it died) with its holders; the ids of those dropped."""
+        dropped = [r for r in self._replicas.values() if r.info.node_id == node_id]
+        for replica in dropped:
+            self._drop(replica)
+        self._ops["dropped_replicas"] += len(dropped)
+        return [r.info.replica_id for r in dropped]
+
+    def expire(self, now: float, timeout_s: float) -> list[str]:
+        """Drop every replica not heard from in more than `timeout_s`; the ids of those dropped."""
+        silent = [r for r in self._replicas.values() if now - r.last_seen > timeout_s]
+        for replica in silent:
+            self._drop(replica)
+        self._ops["expired_replicas"] += len(silent)
+        return [r.info.replica_id for r in silent]
+
+    def cursor(self) -> Cursor:
+        """The cursor of a follower that has seen every change so far."""
+        return self._log.cursor()
+
+    def has_news(self, cursor: Cursor | None, follower: str | None = None) -> bool:
+        """Whether `changes(cursor)` holds something besides `follower`'s own log entries:
+        a follower's link already knows what its replica published."""
+        return self._log.has_news(cursor, follower)
+
+    def changes(self, cursor: Cursor | None) -> Changes:
+        """The changes after `cursor` (None: from nothing), with the cursor that follows them."""
+        log = self._log
+        now = log.cursor()
+        position = log.position(cursor)
+        if position is not None:
+            replicas = None if cursor[2] == now.replicas_version else self._replica_infos()
+            return Changes(now, log.since(position), replicas, False)
+        self._ops["snapshots"] += 1
+        holders = self._holders
+        entries = []
+        for replica_id, replica in self._replicas.items():
+            stored = [
+                (key, h[2], h[3])
+                for key in replica.keys
+                for h in holders[key]
+                if h[0] == replica_id
+            ]
+            entries.append((replica_id, replica.info.node_id, stored, []))
+        return Changes(now, entries, self._replica_infos(), True)
+
+    def stats(self) -> dict[str, int]:
+        """Sizes (keys, holders, replicas, log entries) and operation counts."""
+        return {
+            "keys": len(self._holders),
+            "holders": self._num_holders,
+            "replicas": len(self._replicas),
+            "log_entries": len(self._log),
+            **self._ops,
+        }
+
+    def _replica_infos(self) -> dict[str, ReplicaInfo]:
+        return {replica_id: r.info for replica_id, r in self._replicas.items()}
+
+    def _drop(self, replica: _Replica) -> None:
+        replica_id = replica.info.replica_id
+        holders = self._holders
+        for key in replica.keys:
+            _drop_holder(holders, key, replica_id)
+        self._num_holders -= len(replica.keys)
+        if replica.keys:
+            self._log.append((replica_id, replica.info.node_id, [], list(replica.keys)))
+        del self._replicas[replica_id]
+        self._log.replicas_changed()
+
+
+class ShardView:
+    """A follower's copy of one shard: the holders of each key, kept current by `apply`.
+
+    Holders of `exclude` (the follower's own replica) are left out. The shards of a link
+    share one `holders` dict (their keys are disjoint), so a reader finds any key with one
+    `holders.get`, from any thread: each key's tuple is replaced, never mutated. While a
+    snapshot is applied a reader may briefly miss a key of the shard: a miss, never a
+    wrong holder.
+    """
+
+    def __init__(
+        self,
+        exclude: str | None = None,
+        holders: dict[OffloadKey, tuple[Holder, ...]] | None = None,
+        shard: int = 0,
+        num_shards: int = 1,
+    ) -> None:
+        self.exclude = exclude
+        self.cursor: Cursor | None = None
+        self.holders: dict[OffloadKey, tuple[Holder, ...]] = {} if holders is None else holders
+        self.replicas: dict[str, ReplicaInfo] = {}
+        self._shard = shard
+        self._num_shards = num_shards
+
+    def apply(self, changes: Changes) -> None:
+        holders = self.holders
+        if changes.is_snapshot:
+            self._forget_shard()
+        exclude = self.exclude
+        for replica_id, node_id, stored, removed in changes.entries:
+            if replica_id == exclude:
+                continue
+            for key in removed:
+                _drop_holder(holders, key, replica_id)
+            for key, row, generation in stored:
+                holders[key] = _with_holder(holders.get(key), Holder(replica_id, node_id, row, generation))
+        if changes.replicas is not None:
+            self.replicas = changes.replicas
+        self.cursor = changes.cursor
+
+    def _forget_shard(self) -> None:
+        if self._num_shards == 1:
+            self.holders.clear()
+            return
+        for key in [k for k in self.holders if shard_of(k, self._num_shards) == self._shard]:
+            del self.holders[key]
+
+

@@ -1,0 +1,88 @@
+"""A Directory shard as a `distkv.directory.ShardClient` whose calls the test answers (no Ray)."""
+
+from concurrent.futures import Future
+
+from distkv.directory import DirectoryState, pack, unpack
+
+
+def key(i: int) -> bytes:
+    return i.to_bytes(8, "big") * 4 + b"\0\0\0\0"
+
+
+class ShardDown(Exception):
+    pass
+
+
+class FakeShard:
+    """A shard: its calls wait in `calls` until `answer` runs them on `state`, as the actor would."""
+
+    def __init__(self) -> None:
+        self.state = DirectoryState()
+        self.calls: list[tuple[str, tuple, Future]] = []
+        self.cancelled: list[Future] = []
+        self.up = True
+
+    def register(self, info, seq, stored, namespace) -> Future:
+        return self._call("register", info, seq, stored, namespace)
+
+    def publish(self, replica_id, seq, changes, report, namespace) -> Future:
+        return self._call("publish", replica_id, seq, changes, report, namespace)
+
+    def unregister(self, replica_id, namespace) -> Future:
+        return self._call("unregister", replica_id, namespace)
+
+    def changes(self, cursor, timeout_s, namespace, follower) -> Future:
+        return self._call("changes", cursor, timeout_s, namespace, follower)
+
+    def query(self, keys, namespace) -> Future:
+        return self._call("query", keys, namespace)
+
+    def cancel(self, future: Future) -> None:
+        self.cancelled.append(future)
+
+    def _call(self, method: str, *args) -> Future:
+        future: Future = Future()
+        self.calls.append((method, args, future))
+        return future
+
+    def in_flight(self) -> list[str]:
+        """The methods of the calls not answered yet, in order."""
+        return [method for method, _, _ in self.calls]
+
+    def answer(self, methods=("register", "publish", "unregister", "changes", "query")) -> list[str]:
+        """Run (or, when down, fail) the calls in flight of `methods`, in order; their names."""
+        answered = []
+        for call in [c for c in self.calls if c[0] in methods]:
+            self.calls.remove(call)
+            method, args, future = call
+            answered.append(method)
+            if not self.up:
+                future.set_exception(ShardDown("the shard is down"))
+                continue
+            future.set_result(getattr(self, "_" + method)(*args))
+        return answered
+
+    def _register(self, info, seq, stored, namespace):
+        self.state.register(info)
+        self.state.publish(info.replica_id, seq, unpack(stored), ())
+        return self.state.epoch, True
+
+    def _publish(self, replica_id, seq, changes, report, namespace):
+        stored, removed = unpack(changes)
+        known = self.state.publish(replica_id, seq, stored, removed)
+        if known and report is not None:
+            self.state.set_report(replica_id, report)
+        return self.state.epoch, known
+
+    def _unregister(self, replica_id, namespace):
+        return self.state.unregister(replica_id)
+
+    def _changes(self, cursor, timeout_s, namespace, follower):
+        return pack(self.state.changes(cursor))
+
+    def _query(self, keys, namespace):
+        return pack(self.state.query(keys))
+
+    def held_by(self, replica_id: str) -> dict[bytes, tuple[int, int]]:
+        entries = [e for e in self.state.changes(None).entries if e[0] == replica_id]
+        return {k: (row, gen) for _, _, stored, _ in entries for k, row, gen in stored}

@@ -1,0 +1,184 @@
+"""A Publisher stepped by hand against a shard the test answers (no Ray, no thread)."""
+
+import collections
+
+import pytest
+from directory_fakes import FakeShard, key
+
+from distkv.directory import HEARTBEAT_INTERVAL_S, DirectoryState, Publisher, ReplicaInfo, unpack
+from distkv.errors import ErrorLog
+
+
+def info(replica_id: str = "a") -> ReplicaInfo:
+    return ReplicaInfo(replica_id, "node-1", f"distkv-ns-{replica_id}", 64, 1, 4096)
+
+
+class Rig:
+    def __init__(self) -> None:
+        self.shard = FakeShard()
+        self.errors = ErrorLog()
+        self.event_lags: collections.deque = collections.deque()
+        self.wakes = 0
+        self.publisher = Publisher(
+            0, self.shard, "ns", info(), wake=self.wake, errors=self.errors, event_lags=self.event_lags
+        )
+        self.now = 100.0
+
+    def wake(self) -> None:
+        self.wakes += 1
+
+    def step(self, advance_s: float = 10.0) -> float:
+        self.now += advance_s
+        return self.publisher.step(self.now)
+
+    def store(self, *entries) -> None:
+        for k, row, generation in entries:
+            self.publisher.store(k, row, generation)
+        self.publisher.queued(self.now, self.now, lagged=True)
+
+    def sent(self) -> list[tuple[str, tuple]]:
+        """The calls in flight, their payloads unpacked."""
+        return [(m, tuple(unpack(a) if isinstance(a, bytes) else a for a in args)) for m, args, _ in self.shard.calls]
+
+
+@pytest.fixture
+def rig():
+    r = Rig()
+    r.step()
+    assert r.shard.answer() == ["register"]
+    return r
+
+
+def test_it_registers_first_then_publishes_what_was_stored_in_one_batch(rig):
+    assert rig.wakes == 1  # the register's answer woke the link
+    rig.store((key(1), 1, 10), (key(2), 2, 20))
+    rig.publisher.remove(key(1))
+    rig.publisher.queued(rig.now, rig.now, lagged=True)
+    rig.step()
+    ((method, (replica_id, seq, (stored, removed), report, namespace)),) = rig.sent()
+    assert (method, replica_id, seq, namespace) == ("publish", "a", 2, "ns")
+    assert stored == [(key(2), 2, 20)] and removed == [key(1)]
+    rig.shard.answer()
+    assert rig.shard.held_by("a") == {key(2): (2, 20)}
+
+
+def test_one_call_at_a_time(rig):
+    rig.store((key(1), 1, 10))
+    rig.step()
+    rig.store((key(2), 2, 20))
+    assert rig.step() == rig.now + HEARTBEAT_INTERVAL_S
+    assert rig.shard.in_flight() == ["publish"]
+    rig.shard.answer()
+    rig.step()
+    assert [args[2][0] for _, args in rig.sent()] == [[(key(2), 2, 20)]]
+
+
+def test_a_failed_publish_is_sent_again_the_same(rig):
+    rig.store((key(1), 1, 10))
+    rig.step()
+    first = rig.sent()
+    rig.shard.up = False
+    rig.shard.answer()
+    retry_at = rig.step(0.0)  # takes the failure: nothing goes out before the backoff
+    assert rig.errors.counts() == {"directory_publish": 1}
+    assert rig.shard.calls == [] and rig.now < retry_at < rig.now + 1.0
+    rig.shard.up = True
+    rig.store((key(2), 2, 20))  # waits for the retry to go through
+    rig.step(retry_at - rig.now)
+    assert rig.sent() == first
+    rig.shard.answer()
+    rig.step()
+    assert [args[1:3] for _, args in rig.sent()] == [(3, ([(key(2), 2, 20)], []))]
+
+
+def test_a_shard_that_forgot_the_replica_gets_everything_held_again(rig):
+    rig.store((key(1), 1, 10), (key(2), 2, 20))
+    rig.step()
+    rig.shard.answer()
+    rig.shard.state = DirectoryState()  # restarted: it does not know the replica
+    rig.publisher.remove(key(1))
+    rig.publisher.queued(rig.now, rig.now, lagged=True)
+    rig.step()
+    assert rig.shard.answer() == ["publish"]  # answered: not known
+    rig.step()  # takes the answer: registers after a jitter
+    rig.step()
+    ((method, (registered, _, stored, _)),) = rig.sent()
+    assert method == "register" and registered == info() and stored == [(key(2), 2, 20)]
+    rig.shard.answer()
+    assert rig.shard.held_by("a") == {key(2): (2, 20)}
+
+
+def test_an_epoch_other_than_the_registered_one_means_register_again(rig):
+    rig.store((key(1), 1, 10))
+    rig.step()
+    rig.shard.answer()
+    rig.publisher.saw_epoch(rig.shard.state.epoch, rig.now)  # the same: nothing to do
+    rig.step()
+    assert rig.shard.in_flight() == ["publish"]  # a heartbeat
+    rig.shard.answer()
+    rig.publisher.saw_epoch("another", rig.now)
+    rig.step()
+    assert rig.shard.in_flight() == ["register"]
+
+
+def test_switch_info_unregisters_the_old_id_and_registers_the_new_one_with_what_is_held(rig):
+    rig.store((key(1), 1, 10))
+    rig.step()
+    rig.shard.answer()
+    rig.publisher.switch_info(info("a.epoch1"), rig.now)
+    assert rig.sent() == [("unregister", ("a", "ns"))]
+    rig.shard.answer()
+    rig.step()
+    ((method, (registered, _, stored, _)),) = rig.sent()
+    assert method == "register" and registered == info("a.epoch1") and stored == [(key(1), 1, 10)]
+
+
+def test_the_report_goes_along_at_most_every_heartbeat_and_a_failing_one_does_not_stop_publishing(rig):
+    reports = iter([{"n": 1}, {"n": 2}])
+    rig.publisher.report = lambda: next(reports)
+    rig.step()
+    assert rig.sent()[0][1][3] == {"n": 1}
+    rig.shard.answer()
+    rig.store((key(1), 1, 10))
+    rig.step(HEARTBEAT_INTERVAL_S / 10)  # the flush is due, the report is not
+    assert rig.sent()[0][1][3] is None
+    rig.shard.answer()
+    rig.step()
+    assert rig.sent()[0][1][3] == {"n": 2}
+    rig.shard.answer()
+    rig.step()  # the report raises (StopIteration): published without it
+    assert [(m, args[3]) for m, args in rig.sent()] == [("publish", None)]
+
+
+def test_the_event_lag_is_that_of_stores_not_of_promoted_blocks(rig):
+    rig.store((key(1), 1, 10))
+    rig.step(0.01)  # past the flush interval since the register
+    rig.shard.answer()
+    rig.step(0.25)
+    assert list(rig.event_lags) == [(0, pytest.approx(0.26))]
+    rig.publisher.store(key(2), 2, 20)
+    rig.publisher.queued(rig.now, rig.now + 0.25, lagged=False)
+    rig.step()
+    assert rig.sent()[0][1][2] == ([(key(2), 2, 20)], [])
+    rig.shard.answer()
+    rig.step()
+    assert list(rig.event_lags) == [(0, pytest.approx(0.26))]
+
+
+def test_changes_pending_past_the_bound_become_a_register(rig, monkeypatch):
+    import distkv.directory
+
+    monkeypatch.setattr(distkv.directory, "MAX_PENDING_KEYS", 4)
+    rig.shard.up = False
+    rig.store((key(1), 1, 10))
+    rig.step()
+    rig.shard.answer()  # fails: the batch waits for a retry
+    for i in range(2, 8):
+        rig.publisher.store(key(i), 1, i)
+        rig.publisher.remove(key(i))
+    rig.publisher.queued(rig.now, rig.now, lagged=True)
+    assert rig.publisher.pending == {}
+    rig.shard.up = True
+    rig.step()
+    ((method, (_, _, stored, _)),) = rig.sent()
+    assert method == "register" and stored == [(key(1), 1, 10)]
