@@ -151,8 +151,8 @@ def nixl_blocks(w: Workload, names: tuple[str, ...]) -> dict[str, int]:
     stats = ray.get([w.actors[n].stats.remote() for n in names], timeout=30)
     moved: dict[str, int] = {}
     for s in stats:
-        for transport, counts in s["promotions"]["transports"].items():
-            moved[transport] = moved.get(transport, 0) + counts.get("blocks", 0)
+        for transport, counts in s.promotions.transports.items():
+            moved[transport] = moved.get(transport, 0) + counts.blocks
     return moved
 
 
@@ -216,7 +216,7 @@ def test_node_agent_killed_during_nixl_reads(cluster, make_workload, long_run):
     before = nixl_blocks(w, names)
     assert before.get("nixl", 0) > 0, f"no block came by NIXL before the fault: {before}"
     def failed_reads() -> int:  # a failed NIXL read drops its peer: the next read handshakes again
-        return sum(s["errors"].get("promotion_fetch", 0) for s in ray.get([w.actors[n].stats.remote() for n in names]))
+        return sum(s.errors.get("promotion_fetch", 0) for s in ray.get([w.actors[n].stats.remote() for n in names]))
 
     failed_before = failed_reads()
     fault_start = time.time()

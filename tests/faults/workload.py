@@ -30,6 +30,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from distkv.harness import Replica
 from distkv.names import RAY_NAMESPACE, SEGMENT_PREFIX, agent_name
 from distkv.spec import ClusterOffloadingSpec
+from distkv.stats import ReplicaStats
 from ray_actors.directory import get_or_create_shards, kill_shards
 
 # Workers cannot import this module (tests/faults is not on their path): ship it by value.
@@ -113,7 +114,7 @@ class FaultReplica:
     def pool_name(self) -> str:
         return self.replica.spec.pool_name
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> ReplicaStats:
         return self.replica.manager.stats()
 
     def nixl_state(self) -> dict[str, int]:

@@ -241,7 +241,7 @@ def test_auto_without_nixl_reads_through_the_object_store_and_says_why_once(clus
         result = ray.get(b.serve.remote(tokens))
         assert result["hit_blocks"] == 8 and result["mismatches"] == 0 and result["load_failures"] == 0
     assert list(ray.get(b.transported.remote())) == ["object_store"]
-    assert ray.get(b.stats.remote())["promotions"]["transport_rates"] == {}  # nothing to measure
+    assert ray.get(b.stats.remote()).promotions.transport_rates == {}  # nothing to measure
     (shard,) = get_or_create_shards(group.namespace, 1)
     assert [r["endpoint"] for r in ray.get(shard.replicas.remote(), timeout=30)] == [False, False]
     why = (
