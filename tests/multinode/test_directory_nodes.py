@@ -12,7 +12,7 @@ from clusters import simulated_cluster
 
 from distkv.directory import DirectoryLink, ReplicaInfo, pack, shard_of
 from distkv.names import segment_name
-from ray_actors.directory import get_or_create_shards, head_node_id, kill_shards, shard_clients
+from ray_actors.directory import get_or_create_shards, head_node_id, kill_shards, shard_clients, shard_nodes
 
 MB = 1024**2
 
@@ -55,6 +55,17 @@ def test_holders_on_a_dead_node_are_dropped(cluster):
     finally:
         watcher.close()
         kill_shards(namespace)
+
+
+def test_shards_go_round_robin_over_the_live_nodes_the_head_first():
+    def node(node_id, alive=True, head=False):
+        return {"NodeID": node_id, "Alive": alive, "Resources": {"node:__internal_head__": 1.0} if head else {}}
+
+    nodes = [node("c"), node("b", alive=False), node("z", head=True), node("a")]
+    assert shard_nodes(nodes, 1) == ["z"]
+    assert shard_nodes(nodes, 5) == ["z", "a", "c", "z", "a"]
+    with pytest.raises(RuntimeError, match="no live node"):
+        shard_nodes([node("b", alive=False)], 2)
 
 
 def wait_until(condition, timeout_s: float, what: str) -> float:
