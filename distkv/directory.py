@@ -19,6 +19,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import enum
+import itertools
 import logging
 import random
 import threading
@@ -125,6 +126,11 @@ RESYNC_JITTER_S = 0.5
 # there, are dropped for a re-register with everything it holds: while a shard is down,
 # the removals would pile up without bound, and re-registering says the same in fewer keys.
 MAX_PENDING_KEYS = 1 << 16
+# A register or publish carries at most this many keys; the rest follow in the next
+# batches. A re-register after a shard's restart would otherwise carry the replica's
+# whole pool in one call and one log entry, which the shard checks, logs and pickles
+# for every follower on its one thread while every other call waits.
+MAX_BATCH_KEYS = 1 << 12
 MAX_BACKOFF_S = 2.0
 CLOSE_TIMEOUT_S = 2.0
 
@@ -147,7 +153,9 @@ class Publisher:
     shard does not know the replica (it restarted, or expired it), or `saw_epoch` reports
     a shard epoch other than the one registered with, the publisher registers again with
     everything held, and drops the changes pending (the register says them). So do
-    changes pending past MAX_PENDING_KEYS and past what is held.
+    changes pending past MAX_PENDING_KEYS and past what is held. No call carries more
+    than MAX_BATCH_KEYS keys: a register sends the first of what is held, the rest goes
+    on as pending, in publishes of that many keys at most, one after another.
 
     `step(now)` does all the calling and returns when it next needs a step; `wake` runs
     when a call finishes. Not thread-safe: one thread (the link's) steps it.
@@ -266,7 +274,11 @@ class Publisher:
             self.flush_at = float("inf")
             self.pending_since = self.batch_since = None
             self.seq += 1
-            stored = [(key, row, generation) for key, (row, generation) in self.held.items()]
+            held = iter(self.held.items())
+            stored = [(key, row, generation) for key, (row, generation) in itertools.islice(held, MAX_BATCH_KEYS)]
+            self.pending.update(held)
+            if self.pending:
+                self.flush_at = now
             self._send(CallKind.REGISTER, (self.seq, stored, None), now)
             return now + HEARTBEAT_INTERVAL_S
         if self.failed_batch is not None:
@@ -281,16 +293,23 @@ class Publisher:
                 return due
         elif now < self.last_sent + HEARTBEAT_INTERVAL_S:
             return self.last_sent + HEARTBEAT_INTERVAL_S
+        pending = self.pending
+        if len(pending) > MAX_BATCH_KEYS:
+            batch = {key: pending.pop(key) for key in list(itertools.islice(pending, MAX_BATCH_KEYS))}
+        else:
+            batch = pending
         stored = []
         removed = []
-        for key, block in self.pending.items():
+        for key, block in batch.items():
             if block is None:
                 removed.append(key)
             else:
                 stored.append((key, *block))
-        self.pending.clear()
-        self.flush_at = float("inf")
-        self.batch_since, self.pending_since = self.pending_since, None
+        self.batch_since = self.pending_since
+        if batch is pending:
+            pending.clear()
+            self.flush_at = float("inf")
+            self.pending_since = None
         self.seq += 1
         self._send(CallKind.PUBLISH, (self.seq, stored, removed), now)
         return now + HEARTBEAT_INTERVAL_S

@@ -1,7 +1,8 @@
 """The Directory's actors: one `DirectoryShard` per key-hash shard of a cache namespace.
 
-Each shard is a detached, restartable asyncio actor pinned to the head node around a
-`DirectoryState`. Long polls for changes wait on an event, so they never hold up
+Each shard is a detached, restartable asyncio actor around a `DirectoryState`, placed
+round-robin over the cluster's live nodes, the head first (`shard_nodes`), with a soft
+affinity: when its node dies Ray restarts it on another one. Long polls for changes wait on an event, so they never hold up
 publishes. A restarted shard starts empty with a new epoch; the replicas' links notice
 and publish everything again. `shard_clients` hands a replica's `DirectoryLink` its
 shards as the `ShardClient`s it calls.
@@ -165,6 +166,17 @@ def head_node_id() -> str:
     raise RuntimeError("no live head node in ray.nodes()")
 
 
+def shard_nodes(nodes: Sequence[dict], num_shards: int) -> list[str]:
+    """The node id each of `num_shards` shards is placed on: round-robin over the live
+    `nodes` (entries of `ray.nodes()`), the head first and then the others by id, so that
+    one shard stays on the head and more spread over the cluster."""
+    alive = [n for n in nodes if n["Alive"]]
+    if not alive:
+        raise RuntimeError("no live node in ray.nodes()")
+    alive.sort(key=lambda n: ("node:__internal_head__" not in n["Resources"], n["NodeID"]))
+    return [alive[shard % len(alive)]["NodeID"] for shard in range(num_shards)]
+
+
 class ShardActorClient:
     """A `DirectoryShard` actor as a `distkv.directory.ShardClient`: each method calls the
     actor's and returns the Future of its answer."""
@@ -206,13 +218,15 @@ def get_or_create_shards(
 ) -> list[ray.actor.ActorHandle]:
     """The handles of every shard of `namespace`'s Directory, creating those that do not exist.
 
-    `replica_timeout_s` applies only to shards this call creates.
+    `replica_timeout_s` applies only to shards this call creates. A shard is placed by
+    `shard_nodes` with a soft affinity: a hard one would leave it unschedulable once its
+    node died, while a soft one lets Ray restart it on any live node.
     """
     if not isinstance(num_shards, int) or num_shards < 1:
         raise ValueError(f"num_shards={num_shards!r}: must be a positive int")
     if not isinstance(namespace, str) or not namespace:
         raise ValueError(f"namespace={namespace!r}: must be a non-empty str")
-    head = NodeAffinitySchedulingStrategy(head_node_id(), soft=False)
+    nodes = shard_nodes(ray.nodes(), num_shards)
     return [
         DirectoryShard.options(
             name=shard_name(namespace, shard),
@@ -224,9 +238,9 @@ def get_or_create_shards(
             # a call in flight when a shard dies runs again on its next incarnation, which
             # answers it from its new (empty) state and epoch: the link then re-publishes
             max_task_retries=-1,
-            scheduling_strategy=head,
+            scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=True),
         ).remote(replica_timeout_s, namespace, shard)
-        for shard in range(num_shards)
+        for shard, node_id in enumerate(nodes)
     ]
 
 

@@ -1,3 +1,8 @@
+"""The Directory on several simulated nodes: holders on a dead node, shards on a dead node.
+
+The tests share one cluster: each adds the nodes it needs and removes them.
+"""
+
 import time
 import uuid
 
@@ -5,9 +10,9 @@ import pytest
 import ray
 from clusters import simulated_cluster
 
-from distkv.directory import DirectoryLink, ReplicaInfo, pack
+from distkv.directory import DirectoryLink, ReplicaInfo, pack, shard_of
 from distkv.names import segment_name
-from ray_actors.directory import get_or_create_shards, head_node_id, kill_shards, shard_clients
+from ray_actors.directory import get_or_create_shards, head_node_id, kill_shards, shard_clients, shard_nodes
 
 MB = 1024**2
 
@@ -19,10 +24,10 @@ def cluster():
 
 
 def test_holders_on_a_dead_node_are_dropped(cluster):
+    namespace = "test" + uuid.uuid4().hex[:8]
+    shards = get_or_create_shards(namespace, 2)  # the head is the only node: both go there
     worker = cluster.add_node(num_cpus=1, object_store_memory=100 * MB)
     cluster.wait_for_nodes()
-    namespace = "test" + uuid.uuid4().hex[:8]
-    shards = get_or_create_shards(namespace, 2)
     head = head_node_id()
     watcher_info = ReplicaInfo("watcher", head, segment_name(namespace, "watcher"), 8, 1, 4096)
     watcher = DirectoryLink(namespace, watcher_info, shard_clients(namespace, 2))
@@ -50,3 +55,91 @@ def test_holders_on_a_dead_node_are_dropped(cluster):
     finally:
         watcher.close()
         kill_shards(namespace)
+
+
+def test_shards_go_round_robin_over_the_live_nodes_the_head_first():
+    def node(node_id, alive=True, head=False):
+        return {"NodeID": node_id, "Alive": alive, "Resources": {"node:__internal_head__": 1.0} if head else {}}
+
+    nodes = [node("c"), node("b", alive=False), node("z", head=True), node("a")]
+    assert shard_nodes(nodes, 1) == ["z"]
+    assert shard_nodes(nodes, 5) == ["z", "a", "c", "z", "a"]
+    with pytest.raises(RuntimeError, match="no live node"):
+        shard_nodes([node("b", alive=False)], 2)
+
+
+def wait_until(condition, timeout_s: float, what: str) -> float:
+    """Poll `condition` until it holds; the seconds it took. Fails after `timeout_s`."""
+    start = time.monotonic()
+    while not condition():
+        assert time.monotonic() - start < timeout_s, f"{what}: not within {timeout_s} s"
+        time.sleep(0.05)
+    return time.monotonic() - start
+
+
+def test_a_shard_whose_node_died_restarts_elsewhere_and_is_refilled(cluster):
+    nodes = [cluster.add_node(num_cpus=1, object_store_memory=100 * MB) for _ in range(2)]
+    cluster.wait_for_nodes()
+    namespace = "test" + uuid.uuid4().hex[:8]
+    num_shards = 3
+    shards = get_or_create_shards(namespace, num_shards)
+    placed = [s["node_id"] for s in ray.get([shard.stats.remote() for shard in shards], timeout=60)]
+    assert sorted(placed) == sorted([head_node_id()] + [n.node_id for n in nodes]), "one shard per node"
+    head = head_node_id()
+    links = {
+        name: DirectoryLink(
+            namespace,
+            ReplicaInfo(name, head, segment_name(namespace, name), 64, 1, 4096),
+            shard_clients(namespace, num_shards),
+        )
+        for name in ("a", "b")
+    }
+    for link in links.values():
+        link.start()
+    a, b = links["a"], links["b"]
+    try:
+        keys = [i.to_bytes(8, "big") * 4 + b"\0\0\0\0" for i in range(48)]
+        assert {shard_of(k, num_shards) for k in keys} == set(range(num_shards))
+        a.stored([(k, i, 1) for i, k in enumerate(keys)])
+        wait_until(lambda: all(b.holders(k) for k in keys), 10, "b sees a's blocks")
+
+        lost = shards[0] if placed[0] != head else shards[1]
+        lost_index = shards.index(lost)
+        lost_node = next(n for n in nodes if n.node_id == placed[lost_index])
+        old_epoch = ray.get(lost.stats.remote(), timeout=10)["epoch"]
+        cluster.remove_node(lost_node)
+        removed_at = time.monotonic()
+
+        def restarted() -> bool:
+            try:
+                stats = ray.get(lost.stats.remote(), timeout=2)
+            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+                return False
+            return stats["epoch"] != old_epoch
+
+        wait_until(restarted, 30, "the lost node's shard restarts")
+        stats = ray.get(lost.stats.remote(), timeout=10)
+        assert stats["node_id"] != lost_node.node_id
+        assert stats["node_id"] in {head} | {n.node_id for n in nodes if n is not lost_node}
+        # the replicas re-publish: b's view, and the restarted shard itself, hold a's blocks again
+        took = wait_until(
+            lambda: all(b.holders(k) and b.holders(k)[0].replica_id == "a" for k in keys), 10, "hits return"
+        )
+        print(f"hits returned {time.monotonic() - removed_at:.2f} s after remove_node ({took:.2f} s after the restart)")
+        assert [sorted(h.replica_id for h in hs) for hs in b.query(keys)] == [["a"]] * len(keys)
+        assert [sorted(h.replica_id for h in hs) for hs in a.query(keys)] == [["a"]] * len(keys)
+        # every shard is found by name again, the restarted one too, and still takes new blocks
+        again = get_or_create_shards(namespace, num_shards)
+        assert [s._actor_id for s in again] == [s._actor_id for s in shards]
+        fresh = [(i + 100).to_bytes(8, "big") * 4 + b"\0\0\0\0" for i in range(12)]
+        a.stored([(k, i, 2) for i, k in enumerate(fresh)])
+        wait_until(lambda: all(b.holders(k) for k in fresh), 10, "b sees a's new blocks")
+        # no replica crashed: both links still run, and the other shards never restarted
+        assert all(link._thread.is_alive() for link in links.values())
+    finally:
+        for link in links.values():
+            link.close()
+        kill_shards(namespace)
+        for node in nodes:
+            if node is not lost_node:
+                cluster.remove_node(node)

@@ -182,3 +182,50 @@ def test_changes_pending_past_the_bound_become_a_register(rig, monkeypatch):
     rig.step()
     ((method, (_, _, stored, _)),) = rig.sent()
     assert method == "register" and stored == [(key(1), 1, 10)]
+
+
+def test_a_re_register_of_many_keys_goes_in_chunks(rig, monkeypatch):
+    import distkv.directory
+
+    monkeypatch.setattr(distkv.directory, "MAX_BATCH_KEYS", 3)
+    rig.step(0.0)  # takes the register's answer
+    held = {key(i): (i, 10 + i) for i in range(8)}
+    for k, (row, generation) in held.items():
+        rig.publisher.store(k, row, generation)
+    rig.publisher.saw_epoch("another", rig.now)  # the shard restarted: register again
+    rig.publisher.queued(rig.now, rig.now, lagged=True)
+    rig.shard.state = DirectoryState()
+    sizes = []
+    for _ in range(4):
+        rig.step()
+        ((method, args),) = rig.sent()
+        stored, removed = (args[2], []) if method == "register" else args[2]
+        sizes.append((method, len(stored) + len(removed)))
+        rig.shard.answer()
+    assert sizes == [("register", 3), ("publish", 3), ("publish", 2), ("publish", 0)]  # then heartbeats
+    assert rig.shard.held_by("a") == held
+    log = rig.shard.state.changes(None)  # every entry in the shard's log is a chunk too
+    assert log.is_snapshot and rig.shard.state.stats()["log_entries"] == 3
+
+
+def test_changes_past_the_batch_bound_go_in_several_publishes_and_the_latest_wins(rig, monkeypatch):
+    import distkv.directory
+
+    monkeypatch.setattr(distkv.directory, "MAX_BATCH_KEYS", 2)
+    rig.store(*[(key(i), i, 1) for i in range(1, 6)])
+    rig.step()
+    assert [len(args[2][0]) for _, args in rig.sent()] == [2]
+    rig.shard.answer()
+    rig.step(0.01)
+    (_, (_, _, (stored, _), _, _)), = rig.sent()
+    assert [k for k, _, _ in stored] == [key(3), key(4)]
+    # while keys 3 and 4 are in flight: 1 goes, 3 is sealed anew
+    rig.publisher.remove(key(1))
+    rig.store((key(3), 3, 2))
+    while rig.shard.calls:
+        rig.shard.answer()
+        rig.step(0.01)
+    rig.step()
+    rig.shard.answer()
+    assert rig.shard.held_by("a") == {key(2): (2, 1), key(3): (3, 2), key(4): (4, 1), key(5): (5, 1)}
+    assert rig.shard.held_by("a") == rig.publisher.held
