@@ -23,6 +23,7 @@ from distkv.config import STORE_POLICIES
 from distkv.directory import DirectoryLink
 from distkv.manager import MAX_KEY_BYTES, MIN_KEY_BYTES, LocalOffloadingManager, check_keys, key_problem
 from distkv.errors import ErrorLog, merge_errors
+from distkv.names import epoch_replica_id
 from distkv.promotion import Promoter, Promotion
 from distkv.stats import (
     BlockCounts,
@@ -252,7 +253,7 @@ class ClusterOffloadingManager(OffloadingManager):
         self.cache_epoch += 1
         self.link.set_info(
             dataclasses.replace(
-                self.link.info, replica_id=f"{self._replica_name}.epoch{self.cache_epoch}", cache_epoch=self.cache_epoch
+                self.link.info, replica_id=epoch_replica_id(self._replica_name, self.cache_epoch), cache_epoch=self.cache_epoch
             )
         )
 

@@ -100,9 +100,9 @@ class Changes(NamedTuple):
 def pack(payload: object) -> bytes:
     """A bulk payload (stored entries, changes, query answers) as it crosses Ray.
 
-    Ray's cloudpickle runs a Python hook for every tuple and list in a payload (~0.7 us
-    each, most of a 1k-key call); the C pickler does not, so bulk payloads travel as
-    its bytes.
+    Ray's cloudpickle runs a Python hook for every tuple and list in a payload (most of
+    a 1k-key call's time: docs/benchmarks.md); the C pickler does not, so bulk payloads
+    travel as its bytes.
     """
     return pickle.dumps(payload, protocol=pickle.HIGHEST_PROTOCOL)
 

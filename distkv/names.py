@@ -25,6 +25,22 @@ _SHARD_NAME = re.compile(re.escape(_SHARD_PREFIX) + r"(.+)-([0-9]+)", re.DOTALL)
 # ---- pool segments -------------------------------------------------------------------
 
 
+def replica_name(engine_id: str) -> str:
+    """The engine id as the replica part of a pool's name, one to one: letters, digits and
+    '_' stay, any other character becomes '.' and two hex digits per UTF-8 byte, so that
+    two engines never share a pool (replacing them with '_' made "a-b" and "a_b" one)."""
+    return "".join(
+        c if c.isascii() and (c.isalnum() or c == "_") else "".join(f".{b:02x}" for b in c.encode())
+        for c in engine_id
+    )
+
+
+def epoch_replica_id(replica_id: str, cache_epoch: int) -> str:
+    """The id a replica registers under once a reset moved it to `cache_epoch` (> 0): a
+    view that still lists the old id can never pair it with the new epoch's blocks."""
+    return f"{replica_id}.epoch{cache_epoch}"
+
+
 def segment_name(namespace: str, replica: str) -> str:
     """The pool segment of `replica` in cache `namespace`; ValueError for a part with other
     characters than letters, digits, '_' and '.'."""

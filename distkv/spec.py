@@ -17,7 +17,7 @@ from distkv.abstract import CanonicalKVCaches, LoadStoreSpec, OffloadingHandler,
 from distkv.config import DistkvConfig, KVIdentity, cache_namespace
 from distkv.handlers import make_handlers
 from distkv.manager import LocalOffloadingManager
-from distkv.names import segment_name
+from distkv.names import replica_name, segment_name
 from distkv.pool import HostPool, PoolLayout
 
 if TYPE_CHECKING:
@@ -33,16 +33,6 @@ def _attr(obj: Any, path: str, default: Any = None) -> Any:
         if obj is None:
             return default
     return obj
-
-
-def replica_name(engine_id: str) -> str:
-    """The engine id as the replica part of a pool's name, one to one: letters, digits and
-    '_' stay, any other character becomes '.' and two hex digits per UTF-8 byte, so that
-    two engines never share a pool (replacing them with '_' made "a-b" and "a_b" one)."""
-    return "".join(
-        c if c.isascii() and (c.isalnum() or c == "_") else "".join(f".{b:02x}" for b in c.encode())
-        for c in engine_id
-    )
 
 
 @dataclass(frozen=True)

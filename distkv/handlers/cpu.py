@@ -3,8 +3,7 @@
 A segment's copies run when a handler's segment thread waits on its ticket, so the
 segments of a job copy on several cores at once. Copies go through numpy views of the
 tensors: a plain memcpy that releases the GIL. (torch's copy_ hands every slice to its
-OpenMP pool, which stalls while another process holds a core: 2 MiB slices then copied
-at under 1 GB/s on a 2-core machine.)
+OpenMP pool, which stalls while another process holds a core: docs/benchmarks.md.)
 
 Both directions checksum each pool row as they copy it, a cache-sized chunk at a time,
 so the hash reads bytes the copy just left in L2 instead of reading the row from memory
