@@ -385,6 +385,9 @@ class Follower:
 
     `step(now)` does all the calling and returns when it next needs a step; `wake` runs
     when a poll finishes. Not thread-safe: one thread (the link's) steps it.
+
+    Its first poll has no cursor, which the shard answers at once with a snapshot of
+    everything it holds: `synced` from then on.
     """
 
     def __init__(
@@ -408,6 +411,11 @@ class Follower:
         self.polling: Future | None = None
         self.poll_failures = 0
         self.poll_at = 0.0
+
+    @property
+    def synced(self) -> bool:
+        """Whether the view holds the shard: an answer (the first one a snapshot) was applied."""
+        return self.view.cursor is not None
 
     def step(self, now: float) -> float:
         """Apply a finished poll and start the next one when due; when to step again at the latest."""
@@ -473,6 +481,8 @@ class DirectoryLink:
         self.namespace = namespace
         self.num_shards = len(shards)
         self._wake = threading.Event()
+        # set by the link's thread once every follower is synced: `wait_synced`
+        self._synced = threading.Event()
         self.errors = ErrorLog()
         # (shard, seconds) from a change coming in to the shard having applied it
         self.event_lags: collections.deque[tuple[int, float]] = collections.deque(maxlen=MAX_OBSERVATIONS)
@@ -508,6 +518,12 @@ class DirectoryLink:
             raise RuntimeError("DirectoryLink.start: already started")
         self._thread = threading.Thread(target=self._run, name=f"distkv-directory-{self.info.replica_id}", daemon=True)
         self._thread.start()
+
+    def wait_synced(self, timeout_s: float) -> bool:
+        """Block until the view holds every shard (each shard's snapshot applied), for at
+        most `timeout_s`; whether it does. Until then `holders` misses blocks that other
+        replicas hold, so a replica waits for this before it serves."""
+        return self._synced.wait(timeout_s)
 
     def close(self) -> None:
         """Stop the thread and unregister (best effort: a Directory that is down is not waited for)."""
@@ -613,7 +629,10 @@ class DirectoryLink:
         """One pass of the link's thread, at time.monotonic() `now`: take the inbox, step
         every shard's publisher and follower; when the next pass is due at the latest."""
         self._take_inbox(now)
-        return min(min(p.step(now), f.step(now)) for p, f in zip(self._publishers, self._followers))
+        due = min(min(p.step(now), f.step(now)) for p, f in zip(self._publishers, self._followers))
+        if not self._synced.is_set() and all(f.synced for f in self._followers):
+            self._synced.set()
+        return due
 
     def _run(self) -> None:
         timeout = 0.0

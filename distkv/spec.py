@@ -26,6 +26,11 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+# How long a joining replica waits for the Directory's view before it serves without it:
+# long enough for a fresh cluster's shards to start, short enough that a Directory that is
+# down does not keep the replica from serving (its view then fills in the background).
+DIRECTORY_SYNC_TIMEOUT_S = 10.0
+
 
 def _attr(obj: Any, path: str, default: Any = None) -> Any:
     for name in path.split("."):
@@ -91,7 +96,9 @@ def join_cluster(plan: ReplicaPlan, pool: HostPool, local: LocalOffloadingManage
     """The replica's manager in its Ray cluster.
 
     Joins the cluster (`ray_address`; none starts an embedded local Ray), makes sure this
-    node's NodeAgent runs, registers the replica with the Directory and wraps `local`.
+    node's NodeAgent runs, registers the replica with the Directory, waits (up to
+    DIRECTORY_SYNC_TIMEOUT_S) for the Directory's view, so that the replica's first lookups
+    already find what other replicas hold, and wraps `local`.
     `pool` is the scheduler's mapping of the replica's pool: it claims the replica's name
     until it closes, and a ValueError says so if a live replica on this node has it.
 
@@ -136,6 +143,12 @@ def join_cluster(plan: ReplicaPlan, pool: HostPool, local: LocalOffloadingManage
     )
     link = DirectoryLink(plan.namespace, info, shard_clients(plan.namespace, config.directory_shards))
     link.start()
+    if not link.wait_synced(DIRECTORY_SYNC_TIMEOUT_S):
+        logger.warning(
+            "distkv: replica %s starts without the Directory's view (not every shard answered within %s s); "
+            "until it arrives, blocks other replicas hold are misses",
+            plan.replica_id, DIRECTORY_SYNC_TIMEOUT_S,
+        )
     promoter = Promoter(pool, node_id, link.replica, transport, namespace=plan.namespace)
     manager = ClusterOffloadingManager(
         local,

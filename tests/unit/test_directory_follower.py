@@ -98,3 +98,25 @@ def test_cancel_gives_up_the_poll_in_flight(rig):
     rig.step()
     rig.follower.cancel()
     assert rig.shard.cancelled == [rig.shard.calls[0][2]]
+
+
+def test_a_new_followers_first_poll_takes_a_snapshot_without_waiting_for_news(rig):
+    """What a joining replica sees at once: the shard answers a poll from no cursor with
+    everything it holds, however long since anyone published."""
+    rig.shard.state.publish("b", 1, [(key(i), i, 1) for i in range(64)], [])
+    rig.step()
+    assert not rig.follower.synced
+    ((_, (cursor, *_), _),) = rig.shard.calls
+    assert cursor is None and rig.shard.state.has_news(cursor, "a")  # the actor answers it at once
+    rig.shard.answer()
+    rig.step()
+    assert rig.follower.synced
+    assert set(rig.view.holders) == {key(i) for i in range(64)}
+
+
+def test_a_failed_first_poll_leaves_it_unsynced(rig):
+    rig.step()
+    rig.shard.up = False
+    rig.shard.answer()
+    rig.step(0.0)
+    assert not rig.follower.synced

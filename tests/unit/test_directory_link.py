@@ -103,3 +103,23 @@ def test_a_publish_the_old_incarnation_took_just_before_it_died_is_in_the_refill
     assert shard.state.epoch != old_epoch
     assert shard.held_by("a") == {k: (row, gen) for k, row, gen in first + late}
     assert shard.state.stats()["holders"] == 25
+
+
+def test_wait_synced_is_true_once_every_shard_answered_its_first_poll():
+    shards = [FakeShard(), FakeShard()]
+    link = make_link(shards)
+    stepper = Stepper(link, time.monotonic())
+    stepper.step()
+    assert not link.wait_synced(0.0)
+    shards[0].answer(("changes",))
+    stepper.step()
+    assert not link.wait_synced(0.0)  # one shard's view is not the cache's
+    shards[1].up = False
+    shards[1].answer(("changes",))
+    stepper.step()
+    assert not link.wait_synced(0.0)  # a failed poll brings no view
+    shards[1].up = True
+    stepper.step()
+    shards[1].answer(("changes",))
+    stepper.step()
+    assert link.wait_synced(0.0)
