@@ -84,8 +84,10 @@ def test_a_shard_whose_node_died_restarts_elsewhere_and_is_refilled(cluster):
     num_shards = 3
     shards = get_or_create_shards(namespace, num_shards)
     placed = [s["node_id"] for s in ray.get([shard.stats.remote() for shard in shards], timeout=60)]
-    assert sorted(placed) == sorted([head_node_id()] + [n.node_id for n in nodes]), "one shard per node"
     head = head_node_id()
+    # placed round-robin with a soft affinity, which Ray may override (it put two of three
+    # on one node in some runs here): the test needs one shard off the head
+    assert any(p != head for p in placed), f"shards placed on {placed}"
     links = {
         name: DirectoryLink(
             namespace,
@@ -103,8 +105,8 @@ def test_a_shard_whose_node_died_restarts_elsewhere_and_is_refilled(cluster):
         a.stored([(k, i, 1) for i, k in enumerate(keys)])
         wait_until(lambda: all(b.holders(k) for k in keys), 10, "b sees a's blocks")
 
-        lost = shards[0] if placed[0] != head else shards[1]
-        lost_index = shards.index(lost)
+        lost_index = next(i for i, p in enumerate(placed) if p != head)
+        lost = shards[lost_index]
         lost_node = next(n for n in nodes if n.node_id == placed[lost_index])
         old_epoch = ray.get(lost.stats.remote(), timeout=10)["epoch"]
         cluster.remove_node(lost_node)
