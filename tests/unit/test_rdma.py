@@ -99,6 +99,19 @@ def reader():
     pool.close()
 
 
+def land(transfer, what: str):
+    """What a transfer landed, or None when it failed; fails if it is not done within a
+    bound far beyond a failed read."""
+    deadline = time.monotonic() + 60
+    while not transfer.done():
+        assert time.monotonic() < deadline, f"{what} hangs"
+        time.sleep(0)
+    try:
+        return transfer.finish()
+    except Exception:
+        return None
+
+
 def wait(read) -> str:
     """The read's state once it is no longer pending (a generous bound: a read here takes
     microseconds, and one from a dead peer fails at once)."""
@@ -245,14 +258,7 @@ def test_a_closed_holder_pool_fails_reads_into_misses_and_is_forgotten(holder):
             transfer = transport.start(info(endpoint), [RowRead(KEY, 3, generation, 5)], lambda: None)
         except Exception:
             return None
-        deadline = time.monotonic() + 60
-        while not transfer.done():
-            assert time.monotonic() < deadline, "a read of a closed pool hangs"
-            time.sleep(0)
-        try:
-            return transfer.finish()
-        except Exception:
-            return None
+        return land(transfer, "a read of a closed pool")
 
     try:
         assert run(endpoint, 7)[0] is not None  # the descriptors are cached now
@@ -418,28 +424,18 @@ def test_a_holder_that_left_is_forgotten_even_with_a_read_in_flight(holder):
     info = ReplicaInfo("holder", "node-a", "distkv-x-holder", LAYOUT.num_rows, LAYOUT.num_ranks, LAYOUT.slot_bytes,
                        endpoint=endpoint)
 
-    def land(transfer):
-        deadline = time.monotonic() + 60
-        while not transfer.done():
-            assert time.monotonic() < deadline, "a read of a forgotten holder hangs"
-            time.sleep(0)
-        try:
-            return transfer.finish()
-        except Exception:
-            return None
-
     try:
-        assert land(transport.start(info, [RowRead(KEY, 3, 7, 5)], lambda: None))[0] is not None
+        assert land(transport.start(info, [RowRead(KEY, 3, 7, 5)], lambda: None), "a read of a forgotten holder")[0] is not None
         transport.forget_gone(lambda replica_id: info)
         assert transport.agent.num_peers == 1
         in_flight = transport.start(info, [RowRead(KEY, 3, 7, 6)], lambda: None)
         transport.forget_gone(lambda replica_id: None)
         assert transport.agent.num_peers == 0
-        landed = land(in_flight)
+        landed = land(in_flight, "a read of a forgotten holder")
         if landed is not None and landed[0] is not None:
             np.testing.assert_array_equal(local.payload[1, 6], payload_of(3, 1, 0))
         assert len(transport.scratch._free) == 8
-        assert land(transport.start(info, [RowRead(KEY, 3, 7, 5)], lambda: None))[0] is not None
+        assert land(transport.start(info, [RowRead(KEY, 3, 7, 5)], lambda: None), "a read of a forgotten holder")[0] is not None
         assert transport.agent.num_peers == 1
     finally:
         transport.close()
