@@ -254,8 +254,10 @@ class Demo:
             )
         described = ray.get([a.describe.remote() for a in self.actors], timeout=REQUEST_TIMEOUT_S)
         self.device = ",".join(sorted({d["device"] for d in described}))
-        # one short prefill each, so that no measured request pays for warming up
-        warm = [0] * (2 * self.args.block_tokens)
+        # one prefill each of the longest prompt, without offloading, so that no measured
+        # request pays for warming up: the first prefill of a size costs the model's
+        # allocations, and a shorter one left them to the first arm's first requests
+        warm = [0] * self.max_prompt_tokens
         ray.get([a.serve_without_offloading.remote(warm) for a in self.actors], timeout=REQUEST_TIMEOUT_S)
         self._wait_for_directory()
 
