@@ -15,7 +15,7 @@ from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import IntEnum
 from types import SimpleNamespace
-from typing import Any, NewType
+from typing import Any, NewType, TypeVar
 
 import numpy as np
 import torch
@@ -25,6 +25,8 @@ import torch
 OffloadKey = NewType("OffloadKey", bytes)
 
 GROUP_IDX_BYTES = 4
+
+_T = TypeVar("_T")
 
 
 def make_offload_key(block_hash: bytes, group_idx: int) -> OffloadKey:
@@ -44,8 +46,32 @@ def get_offload_group_idx(key: OffloadKey) -> int:
 
 @dataclass
 class ReqContext:
+    """A request as the manager sees it, as in vLLM 0.33: its id and transfer params, a
+    per-request state by type (`set_state`/`get_state`), and the end token of each offload
+    key the engine recorded for it (`set_offload_key_position`), which places a request's
+    blocks on the Directory's shards by its prefix."""
+
     req_id: str
     kv_transfer_params: dict[str, Any] | None = None
+    _state: dict[type, Any] = field(default_factory=dict, repr=False, init=False)
+    _offload_key_positions: dict[OffloadKey, int] = field(default_factory=dict, repr=False, init=False)
+
+    def set_state(self, val: Any) -> None:
+        self._state[type(val)] = val
+
+    def get_state(self, cls: type[_T]) -> _T | None:
+        return self._state.get(cls)
+
+    def set_offload_key_position(self, key: OffloadKey, end_token: int) -> None:
+        self._offload_key_positions[key] = end_token
+
+    def get_offload_key_position(self, key: OffloadKey) -> int | None:
+        return self._offload_key_positions.get(key)
+
+    def offload_key_positions(self) -> Mapping[OffloadKey, int]:
+        """Every recorded key's end token, in the order recorded (distkv's own: vLLM's
+        ReqContext reads them back one key at a time only)."""
+        return self._offload_key_positions
 
 
 class LoadStoreSpec(ABC):

@@ -21,6 +21,7 @@ from distkv.abstract import (
 )
 from distkv.config import STORE_POLICIES
 from distkv.directory import DirectoryLink
+from distkv.directory_state import prefix_root, shard_of
 from distkv.manager import MAX_KEY_BYTES, MIN_KEY_BYTES, LocalOffloadingManager, check_keys, key_problem
 from distkv.errors import ErrorLog, merge_errors
 from distkv.names import epoch_replica_id
@@ -46,6 +47,22 @@ MAX_FAILED_KEYS = 1 << 16
 # The Promoter fails a promotion at its deadline itself; the manager fails one the
 # Promoter has not reported this long after (its thread is stuck or gone).
 OVERDUE_GRACE_S = 1.0
+
+
+def seed_request_root(req_context: ReqContext) -> tuple[OffloadKey, int] | None:
+    """The placement root of a request of distkv's seed API and its end token (`prefix_root`
+    of the positions its engine recorded: the harness and the demo record every block's)."""
+    return prefix_root(req_context.offload_key_positions())
+
+
+class _PlacementRoot:
+    """Per-request state: the shard of the request's placement root, and the root's end token."""
+
+    __slots__ = ("shard", "end")
+
+    def __init__(self, shard: int, end: int) -> None:
+        self.shard = shard
+        self.end = end
 
 
 class ClusterOffloadingManager(OffloadingManager):
@@ -78,6 +95,10 @@ class ClusterOffloadingManager(OffloadingManager):
     reset_cache moves the replica to the next cache epoch: it registers again under
     "<replica_id>.epoch<n>" with `cache_epoch` n, and promotes only from holders of its
     own epoch, so that blocks computed before a weight update are never loaded after it.
+
+    Each block it stores or promotes is placed on a Directory shard by its request's
+    prefix (`block_shard`), noted on the block, and its removal goes to the same shard.
+    `request_root` finds a request's placement root; the vLLM adapter sets its own.
     """
 
     def __init__(
@@ -94,7 +115,10 @@ class ClusterOffloadingManager(OffloadingManager):
             raise ValueError(f"promotion_timeout_s={promotion_timeout_s} must be positive")
         self.local = local
         local.landed = []
+        local.dropped = []
         self._blocks = local.blocks
+        self._num_shards = link.num_shards
+        self.request_root = seed_request_root
         self._view = link.view
         self.link = link
         self.promoter = promoter
@@ -172,7 +196,7 @@ class ClusterOffloadingManager(OffloadingManager):
             self.lookups_miss += 1.0
             return MISS
         holders = self._view.get(key)  # None if it left the view since
-        result = self._promote(key, holders) if holders else MISS
+        result = self._promote(key, holders, req_context) if holders else MISS
         if result is MISS:
             self.lookups_miss += 1.0
         else:
@@ -225,6 +249,8 @@ class ClusterOffloadingManager(OffloadingManager):
         out = self.local.prepare_store(keys, req_context)
         if out is None:
             self.stores_rejected += 1
+        elif self._num_shards > 1 and out.keys_to_store:
+            self._place(out.keys_to_store, req_context)
         self._forward_events()
         return out
 
@@ -333,6 +359,46 @@ class ClusterOffloadingManager(OffloadingManager):
     def promotions_in_flight(self) -> int:
         return len(self._promoting)
 
+    # ---- placement -------------------------------------------------------------------
+
+    def block_shard(self, key: OffloadKey, req_context: ReqContext) -> int:
+        """The Directory shard of `key` of the request of `req_context`: its placement
+        root's when the key ends at or past the root, so that every replica keeps a whole
+        shared prefix on one shard; else (no root yet, no position, a key before the root)
+        the key's own."""
+        root = self._root(req_context)
+        if root is not None:
+            end = req_context.get_offload_key_position(key)
+            if end is not None and end >= root.end:
+                return root.shard
+        return shard_of(key, self._num_shards)
+
+    def _root(self, req_context: ReqContext) -> _PlacementRoot | None:
+        """The request's placement root, found once and kept in its state. None is not
+        kept: a request reaches its first chunk later when it grows by decoding."""
+        root = req_context.get_state(_PlacementRoot)
+        if root is None:
+            found = self.request_root(req_context)
+            if found is None:
+                return None
+            key, end = found
+            root = _PlacementRoot(shard_of(key, self._num_shards), end)
+            req_context.set_state(root)
+        return root
+
+    def _place(self, keys: list[OffloadKey], req_context: ReqContext) -> None:
+        """Note on the new blocks of `keys` the shard of each (`block_shard`)."""
+        blocks, num_shards = self._blocks, self._num_shards
+        root = self._root(req_context)
+        if root is None:
+            for key in keys:
+                blocks[key].shard = shard_of(key, num_shards)
+            return
+        position = req_context.get_offload_key_position
+        for key in keys:
+            end = position(key)
+            blocks[key].shard = root.shard if end is not None and end >= root.end else shard_of(key, num_shards)
+
     def _held_in_epoch(self, key: OffloadKey) -> bool:
         """Whether another replica of this cache epoch holds `key`: one this replica can promote."""
         replica = self.link.replica
@@ -384,8 +450,9 @@ class ClusterOffloadingManager(OffloadingManager):
         self.local.retire(overdue)
         self.lookups_miss += len(overdue)
 
-    def _promote(self, key: OffloadKey, holders) -> LookupResult:
-        """Start promoting `key` from `holders`: RETRY, or MISS where it cannot start."""
+    def _promote(self, key: OffloadKey, holders, req_context: ReqContext) -> LookupResult:
+        """Start promoting `key` from `holders` for the request of `req_context` (whose
+        prefix places it): RETRY, or MISS where it cannot start."""
         now = time.monotonic()
         failed_until = self._failed.get(key)
         if failed_until is not None:
@@ -396,6 +463,8 @@ class ClusterOffloadingManager(OffloadingManager):
         self._forward_events()
         if out is None or not out.keys_to_store:
             return MISS  # no room: compute it instead
+        if self._num_shards > 1:
+            self._blocks[key].shard = self.block_shard(key, req_context)
         spec = out.store_spec
         deadline = now + self.promotion_timeout_s
         if not self._promoting:
@@ -447,10 +516,12 @@ class ClusterOffloadingManager(OffloadingManager):
         if local.landed:
             self.link.ready(local.landed)
             local.landed = []
+        if local.dropped:
+            self.link.dropped(local.dropped)
+            local.dropped = []
         for event in local.take_events():
             self._events.append(event)
             if event.removed:
-                self.link.removed(event.keys)
                 for key in event.keys:
                     self._promoted.pop(key, None)
 

@@ -60,10 +60,12 @@ logger = logging.getLogger(__name__)
 
 
 class ReadyBlock(Protocol):
-    """A block of the replica's block table, as `DirectoryLink.ready` takes it."""
+    """A block of the replica's block table, as `DirectoryLink.ready` and `dropped` take it:
+    `shard` is the shard its manager placed it on (docs/architecture.md, "Placement")."""
 
     row: int
     generation: int
+    shard: int
 
 
 class ShardClient(Protocol):
@@ -100,6 +102,7 @@ class InboxKind(enum.Enum):
     READY = enum.auto()  # (key, block) pairs
     PROMOTED = enum.auto()  # (key, block) pairs that may wait PROMOTED_FLUSH_DELAY_S
     REMOVED = enum.auto()  # keys
+    DROPPED = enum.auto()  # (key, block) pairs
     NEW_INFO = enum.auto()  # (the replica's next ReplicaInfo,)
 
 
@@ -468,7 +471,9 @@ class DirectoryLink:
     touching the network. When a shard restarts (new epoch) or no longer knows this
     replica, the link registers again and re-publishes everything this replica holds.
 
-    `shards`: the namespace's shards, in order (a key's shard is `shard_of(key, len(shards))`).
+    `shards`: the namespace's shards, in order. A block goes to the shard its manager
+    placed it on (`ready`, `promoted`, `dropped`: its block's `shard`), or, from `stored` and
+    `removed`, to its own key's (`shard_of(key, len(shards))`).
     Usage: `link = DirectoryLink(ns, info, shards); link.start(); ...; link.close()`.
     """
 
@@ -488,7 +493,7 @@ class DirectoryLink:
         self.event_lags: collections.deque[tuple[int, float]] = collections.deque(maxlen=MAX_OBSERVATIONS)
         # the view of every shard, merged: one dict lookup answers `holders`
         self._holders: dict[OffloadKey, tuple[Holder, ...]] = {}
-        self._views = [ShardView(info.replica_id, self._holders, i, self.num_shards) for i in range(self.num_shards)]
+        self._views = [ShardView(info.replica_id, self._holders, self.num_shards > 1) for _ in range(self.num_shards)]
         self._publishers = [
             Publisher(
                 i, client, namespace, info,
@@ -534,7 +539,8 @@ class DirectoryLink:
         self._thread.join(CLOSE_TIMEOUT_S + 1.0)
 
     def stored(self, entries: Sequence[StoredEntry]) -> None:
-        """Queue blocks this replica made loadable: (key, row, generation) each. Never blocks."""
+        """Queue blocks this replica made loadable: (key, row, generation) each, each on
+        its own key's shard (for tools and tests; a manager's blocks go by `ready`). Never blocks."""
         entries = tuple(entries)
         check_stored(entries, self.info.num_rows)
         self._queue(InboxKind.STORED, entries)
@@ -552,10 +558,16 @@ class DirectoryLink:
         self._queue(InboxKind.PROMOTED, blocks)
 
     def removed(self, keys: Sequence[OffloadKey]) -> None:
-        """Queue keys this replica no longer holds. Never blocks."""
+        """Queue keys this replica no longer holds, that `stored` queued. Never blocks."""
         keys = tuple(keys)
         check_keys(keys)
         self._queue(InboxKind.REMOVED, keys)
+
+    def dropped(self, blocks: Sequence[tuple[OffloadKey, ReadyBlock]]) -> None:
+        """`removed` for the scheduler's path: (key, block) pairs of blocks the replica no
+        longer holds, each removed from the shard its block was placed on. `blocks` is not
+        copied. Never blocks."""
+        self._queue(InboxKind.DROPPED, blocks)
 
     def set_info(self, info: ReplicaInfo) -> None:
         """Register on every shard as `info` from now on (the replica's next cache epoch)
@@ -605,22 +617,20 @@ class DirectoryLink:
 
     def query(self, keys: Sequence[OffloadKey], timeout_s: float | None = 10.0) -> list[tuple[Holder, ...]]:
         """Ask the shards for the holders of each key (this replica included). Blocks: for
-        tools and tests. TimeoutError if a shard has not answered within `timeout_s`."""
+        tools and tests. Every shard is asked: a key's shard is where its holders placed
+        it, which the key alone does not tell. TimeoutError if a shard has not answered
+        within `timeout_s`."""
         check_keys(keys)
-        by_shard: dict[int, list[int]] = collections.defaultdict(list)
-        for i, key in enumerate(keys):
-            by_shard[shard_of(key, self.num_shards)].append(i)
-        futures = {
-            shard: self._publishers[shard].client.query([keys[i] for i in indices], self.namespace)
-            for shard, indices in by_shard.items()
-        }
-        _, late = concurrent.futures.wait(futures.values(), timeout=timeout_s)
+        keys = list(keys)
+        futures = [publisher.client.query(keys, self.namespace) for publisher in self._publishers]
+        _, late = concurrent.futures.wait(futures, timeout=timeout_s)
         if late:
             raise TimeoutError(f"DirectoryLink.query: {len(late)} shard(s) did not answer within {timeout_s} s")
         result: list[tuple[Holder, ...]] = [()] * len(keys)
-        for shard, indices in by_shard.items():
-            for i, holders in zip(indices, unpack(futures[shard].result())):
-                result[i] = tuple(map(Holder._make, holders))
+        for future in futures:
+            for i, holders in enumerate(unpack(future.result())):
+                if holders:
+                    result[i] += tuple(map(Holder._make, holders))
         return result
 
     # Everything below runs on the link's thread.
@@ -660,14 +670,18 @@ class DirectoryLink:
             only_promoted = only_promoted and kind is InboxKind.PROMOTED
             if kind is InboxKind.NEW_INFO:
                 self._switch_info(items[0], now)
+            elif kind is InboxKind.DROPPED:
+                for key, block in items:
+                    publishers[block.shard].remove(key)
             elif kind is InboxKind.REMOVED:
                 for key in items:
                     publishers[shard_of(key, num_shards)].remove(key)
-            else:
-                if kind is not InboxKind.STORED:
-                    items = ((key, block.row, block.generation) for key, block in items)
+            elif kind is InboxKind.STORED:
                 for key, row, generation in items:
                     publishers[shard_of(key, num_shards)].store(key, row, generation)
+            else:
+                for key, block in items:
+                    publishers[block.shard].store(key, block.row, block.generation)
         flush_at = now + PROMOTED_FLUSH_DELAY_S if only_promoted else now
         for publisher in publishers:
             # the event lag is that of stores and removals, not of promoted blocks held back

@@ -13,7 +13,7 @@ import itertools
 import pickle
 import random
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, NamedTuple
 
@@ -123,8 +123,39 @@ def check_namespace(serves: str, namespace: object, who: str) -> None:
 
 
 def shard_of(key: OffloadKey, num_shards: int) -> int:
-    """The shard of `key` among `num_shards`. Keys start with a hash, so its leading bytes spread evenly."""
+    """The shard of `key` among `num_shards`. Keys start with a hash, so its leading bytes spread evenly.
+
+    A replica's block is kept on the shard of its request's placement root (`prefix_root`),
+    and on its own key's only when it has none (see docs/architecture.md, "Placement")."""
     return int.from_bytes(key[:8], "big") % num_shards
+
+
+def prefix_root(
+    positions: Mapping[OffloadKey, int], first_chunk: tuple[int, int] | None = None
+) -> tuple[OffloadKey, int] | None:
+    """The placement root of a request and its end token, from the end token of each key the
+    engine recorded for it (`positions`); None while it has none.
+
+    Keys are chained hashes, so every request that shares any block of a prefix shares the
+    prefix's first chunk: the root is that chunk's key, and every block of the request that
+    ends at or past it is kept on the root's shard, by every replica. `first_chunk`: (end
+    token, group index) of the first chunk of the group with the smallest chunks (ties by
+    group index), where the engine records keys below it that not every request records;
+    without it, the recorded key with the smallest end token, ties by group index (the
+    key's last 4 bytes).
+    """
+    if first_chunk is not None:
+        end, group = first_chunk
+        suffix = group.to_bytes(4, "big")
+        for key, position in positions.items():
+            if position == end and key.endswith(suffix):
+                return key, end
+        return None
+    root = None
+    for key, position in positions.items():
+        if root is None or (position, key[-4:]) < (root[1], root[0][-4:]):
+            root = (key, position)
+    return root
 
 
 def check_stored(entries: Iterable[object], num_rows: int) -> None:
@@ -471,28 +502,29 @@ class ShardView:
     """A follower's copy of one shard: the holders of each key, kept current by `apply`.
 
     Holders of `exclude` (the follower's own replica) are left out. The shards of a link
-    share one `holders` dict (their keys are disjoint), so a reader finds any key with one
-    `holders.get`, from any thread: each key's tuple is replaced, never mutated. While a
-    snapshot is applied a reader may briefly miss a key of the shard: a miss, never a
-    wrong holder.
+    share one `holders` dict (`shared`), so a reader finds any key with one `holders.get`,
+    from any thread: each key's tuple is replaced, never mutated. A shared view keeps the
+    keys it added, since a key's shard is its holder's placement, not a function of the
+    key, and a snapshot replaces only those. While a snapshot is applied a reader may
+    briefly miss a key of the shard: a miss, never a wrong holder.
     """
 
     def __init__(
         self,
         exclude: str | None = None,
         holders: dict[OffloadKey, tuple[Holder, ...]] | None = None,
-        shard: int = 0,
-        num_shards: int = 1,
+        shared: bool = False,
     ) -> None:
         self.exclude = exclude
         self.cursor: Cursor | None = None
         self.holders: dict[OffloadKey, tuple[Holder, ...]] = {} if holders is None else holders
         self.replicas: dict[str, ReplicaInfo] = {}
-        self._shard = shard
-        self._num_shards = num_shards
+        # the keys this view added to a shared `holders`; None when it owns the dict
+        self._keys: set[OffloadKey] | None = set() if shared else None
 
     def apply(self, changes: Changes) -> None:
         holders = self.holders
+        keys = self._keys
         if changes.is_snapshot:
             self._forget_shard()
         exclude = self.exclude
@@ -501,17 +533,21 @@ class ShardView:
                 continue
             for key in removed:
                 _drop_holder(holders, key, replica_id)
+                if keys is not None and key not in holders:
+                    keys.discard(key)
             for key, row, generation in stored:
                 holders[key] = _with_holder(holders.get(key), Holder(replica_id, node_id, row, generation))
+            if keys is not None:
+                keys.update(key for key, _, _ in stored)
         if changes.replicas is not None:
             self.replicas = changes.replicas
         self.cursor = changes.cursor
 
     def _forget_shard(self) -> None:
-        if self._num_shards == 1:
+        if self._keys is None:
             self.holders.clear()
             return
-        for key in [k for k in self.holders if shard_of(k, self._num_shards) == self._shard]:
-            del self.holders[key]
-
-
+        holders = self.holders
+        for key in self._keys:
+            holders.pop(key, None)
+        self._keys.clear()

@@ -1,10 +1,11 @@
 """A stand-in engine replica without vLLM, for tests, the demo and benchmarks.
 
 It holds a KV tensor (a CPU tensor standing for GPU memory), hashes prompts into block
-keys as vLLM does (chained hashes of full blocks), and drives an OffloadingSpec's
-manager and handlers in the order vLLM's OffloadingConnector does: lookup until the
-first miss (deferring the request while any lookup says retry), prepare_load / load /
-complete_load, compute the rest, prepare_store / store / complete_store, touch.
+keys as vLLM does (chained hashes of full blocks, each key's end token recorded in the
+request's ReqContext), and drives an OffloadingSpec's manager and handlers in the order
+vLLM's OffloadingConnector does: lookup until the first miss (deferring the request
+while any lookup says retry), prepare_load / load / complete_load, compute the rest,
+prepare_store / store / complete_store, touch.
 """
 
 from __future__ import annotations
@@ -119,6 +120,8 @@ class Replica:
         tokens = np.asarray(tokens)
         keys = block_keys(tokens, self.block_tokens)
         ctx = ReqContext(req_id=f"req-{next(self._requests)}")
+        for i, key in enumerate(keys):  # as vLLM's scheduler records its chunks' keys
+            ctx.set_offload_key_position(key, (i + 1) * self.block_tokens)
         retries = 0
         while (hits := self._matched_blocks(keys, ctx)) is None:
             retries += 1

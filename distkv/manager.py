@@ -45,15 +45,17 @@ def check_keys(keys: Iterable[object]) -> None:
 class _Block:
     """A block in a pool row. refs: -1 while its store is in flight, else the loads reading it.
     seen: a stamp of the last lookup that found it, set by a wrapping manager for
-    prepare_store's protect_from."""
+    prepare_store's protect_from. shard: the Directory shard a wrapping manager placed it
+    on, where its removal goes too (0 until placed: the one shard of a one-shard Directory)."""
 
-    __slots__ = ("row", "generation", "refs", "seen")
+    __slots__ = ("row", "generation", "refs", "seen", "shard")
 
     def __init__(self, row: int, generation: int, refs: int) -> None:
         self.row = row
         self.generation = generation
         self.refs = refs
         self.seen = -1
+        self.shard = 0
 
 
 class LocalOffloadingManager(OffloadingManager):
@@ -94,6 +96,9 @@ class LocalOffloadingManager(OffloadingManager):
         # loadable: how a wrapping manager learns their rows and generations without
         # looking every key up again.
         self.landed: list[tuple[OffloadKey, _Block]] | None = None
+        # Likewise `dropped` gets the (key, block) of each block a removal event names, so
+        # that a wrapping manager learns where each was placed after it left the table.
+        self.dropped: list[tuple[OffloadKey, _Block]] | None = None
         # blocks made loadable by complete_store, and evicted to make room, so far
         self.blocks_stored = 0
         self.blocks_evicted = 0
@@ -258,8 +263,12 @@ class LocalOffloadingManager(OffloadingManager):
             )
             if victims is None:
                 return None
+            dropped = self.dropped
             for key in victims:
-                free_rows.append(blocks.pop(key).row)
+                block = blocks.pop(key)
+                free_rows.append(block.row)
+                if dropped is not None:
+                    dropped.append((key, block))
             self._num_evictable -= num_to_evict
             self.blocks_evicted += num_to_evict
             self._events.append(OffloadingEvent(list(victims), self._medium, True))
@@ -318,11 +327,14 @@ class LocalOffloadingManager(OffloadingManager):
                 self.landed += landed  # a key repeated in `keys` twice: harmless
         else:
             remove = self._policy.remove
+            dropped = self.dropped
             for key, block in landed:
                 if blocks.pop(key, None) is not None:
                     remove(key)
                     self._free_rows.append(block.row)
                     done.append(key)
+                    if dropped is not None:
+                        dropped.append((key, block))
         if done:
             self._events.append(OffloadingEvent(done, self._medium, not success))
 
@@ -333,9 +345,12 @@ class LocalOffloadingManager(OffloadingManager):
     def reset_cache(self) -> None:
         stored: list[OffloadKey] = []
         retired = self._retired
+        dropped = self.dropped
         for key, block in self._blocks.items():
             if block.refs >= 0:
                 stored.append(key)
+                if dropped is not None:
+                    dropped.append((key, block))
             if block.refs != 0:
                 retired[key] = block
         self._blocks.clear()

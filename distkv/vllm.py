@@ -13,10 +13,11 @@ docs/configuration.md.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import threading
-from collections.abc import Collection, Iterable
+from collections.abc import Collection, Iterable, Mapping
 from typing import Any
 
 try:
@@ -54,6 +55,7 @@ except ImportError as e:
 from distkv import abstract
 from distkv.cluster import ClusterOffloadingManager
 from distkv.config import KVIdentity
+from distkv.directory_state import prefix_root
 from distkv.handlers import make_handlers
 from distkv.manager import LocalOffloadingManager
 from distkv.pool import HostPool
@@ -131,6 +133,33 @@ def replica_plan(config: OffloadingConfig) -> ReplicaPlan:
     )
 
 
+def first_chunk(config: OffloadingConfig) -> tuple[int, int]:
+    """(end token, group index) of a request's first chunk in the group of the smallest
+    chunks (ties by group index): the key a request's blocks are placed by (`request_root`).
+    Every request of at least that many tokens records it, whatever it looks up."""
+    blocks_per_chunk = config.cache.blocks_per_chunk
+    return min((group.tokens_per_block * blocks_per_chunk, group.group_id) for group in config.groups)
+
+
+def offload_key_positions(req_context: ReqContext) -> Mapping[OffloadKey, int]:
+    """The end token of each offload key vLLM's scheduler recorded for the request.
+
+    vLLM 0.33's ReqContext records them (`set_offload_key_position`, every chunk key of the
+    request in order, and the partial-tail keys its lookups and stores make) but gives them
+    back one key at a time: finding the request's first chunk needs the whole record, which
+    only its private `_offload_key_positions` holds. This is the one place that reads it,
+    read-only; a ReqContext without it gives no positions, and its blocks are placed by
+    their own keys (a miss across replicas at worst, never wrong data).
+    """
+    return getattr(req_context, "_offload_key_positions", None) or {}
+
+
+def request_root(req_context: ReqContext, first_chunk: tuple[int, int] | None) -> tuple[OffloadKey, int] | None:
+    """The placement root of a vLLM request and its end token: the key of its `first_chunk`
+    (`prefix_root`). Partial-tail keys below it, which only some lookups record, never are."""
+    return prefix_root(offload_key_positions(req_context), first_chunk)
+
+
 class _ReusedKeys:
     """Per-request state: the stored blocks a request used, in order, for recency."""
 
@@ -155,8 +184,17 @@ class DistkvOffloadingManager(OffloadingManager):
     blocks its lookups answered HIT are protected from eviction by the cluster manager.
     """
 
-    def __init__(self, cluster: ClusterOffloadingManager, pool: HostPool, enable_events: bool):
+    def __init__(
+        self,
+        cluster: ClusterOffloadingManager,
+        pool: HostPool,
+        enable_events: bool,
+        first_chunk: tuple[int, int] | None = None,
+    ):
+        """`first_chunk`: where a request's placement root ends (see `first_chunk`); None
+        places by the smallest position recorded, for a single group without partial tails."""
         self.cluster = cluster
+        cluster.request_root = functools.partial(request_root, first_chunk=first_chunk)
         self._pool = pool
         self._enable_events = enable_events
         self._events: list[OffloadingEvent] = []
@@ -372,7 +410,9 @@ class RayOffloadingSpec(OffloadingSpec):
                 "distkv: replica %s in namespace %s, %d pool rows of %d x %d bytes",
                 plan.replica_id, plan.namespace, plan.layout.num_rows, plan.layout.num_ranks, plan.layout.slot_bytes,
             )
-            self._manager = DistkvOffloadingManager(cluster, pool, self.kv_events_config.enable_kv_cache_events)
+            self._manager = DistkvOffloadingManager(
+                cluster, pool, self.kv_events_config.enable_kv_cache_events, first_chunk(self.config)
+            )
         return self._manager
 
     def get_worker(self, kv_caches: CanonicalKVCaches) -> DistkvOffloadingWorker:
@@ -409,6 +449,9 @@ __all__ = [
     "DistkvOffloadingManager",
     "DistkvOffloadingWorker",
     "RayOffloadingSpec",
+    "first_chunk",
+    "offload_key_positions",
     "prefix_hash_seed",
+    "request_root",
     "replica_plan",
 ]

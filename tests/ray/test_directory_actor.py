@@ -28,6 +28,7 @@ class Block(NamedTuple):
 
     row: int
     generation: int
+    shard: int = 0
 
 
 def new_keys(n: int) -> list[bytes]:

@@ -16,6 +16,7 @@ class FakeLink:
     """The DirectoryLink's interface over a FakeDirectory, applied at once."""
 
     namespace = "ns0"
+    num_shards = 1
 
     def __init__(self, directory: FakeDirectory, info: ReplicaInfo):
         self.directory = directory
@@ -38,6 +39,9 @@ class FakeLink:
     def removed(self, keys):
         for key in keys:
             self.directory.holders.get(key, {}).pop(self.info.replica_id, None)
+
+    def dropped(self, blocks):
+        self.removed([key for key, _ in blocks])
 
     def holders(self, key):
         return tuple(h for r, h in self.directory.holders.get(key, {}).items() if r != self.info.replica_id)
