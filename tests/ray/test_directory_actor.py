@@ -6,7 +6,16 @@ from typing import NamedTuple
 import pytest
 import ray
 
-from distkv.directory import PROMOTED_FLUSH_DELAY_S, DirectoryLink, Holder, ReplicaInfo, pack, shard_of, unpack
+from distkv.directory import (
+    HEARTBEAT_INTERVAL_S,
+    PROMOTED_FLUSH_DELAY_S,
+    DirectoryLink,
+    Holder,
+    ReplicaInfo,
+    pack,
+    shard_of,
+    unpack,
+)
 from distkv.names import segment_name
 from ray_actors.directory import get_or_create_shards, kill_shards, shard_clients
 
@@ -159,14 +168,14 @@ def test_close_unregisters(make_link):
 
 
 def test_replica_that_stops_heartbeating_expires(make_link, namespace):
-    (shard,) = get_or_create_shards(namespace, 1, replica_timeout_s=1.5)
+    (shard,) = get_or_create_shards(namespace, 1, replica_timeout_s=3 * HEARTBEAT_INTERVAL_S)
     alive, watcher = make_link("alive", 1), make_link("watcher", 1)
     ghost_keys, alive_keys = new_keys(3), new_keys(3)
     ghost = ReplicaInfo("ghost", watcher.info.node_id, segment_name(namespace, "ghost"), 8, 1, 4096)
     ray.get(shard.register.remote(ghost, 1, pack([(k, i, 1) for i, k in enumerate(ghost_keys)]), namespace=namespace))
     alive.stored([(k, i, 1) for i, k in enumerate(alive_keys)])
     wait_for(lambda: visible(watcher, ghost_keys, "ghost") and visible(watcher, alive_keys, "alive"), 10)
-    waited = wait_for(lambda: invisible(watcher, ghost_keys), 5)
+    waited = wait_for(lambda: invisible(watcher, ghost_keys), 10)
     assert waited > 0.5
     assert visible(watcher, alive_keys, "alive")  # its link heartbeats
     assert ray.get(shard.stats.remote())["expired_replicas"] == 1
