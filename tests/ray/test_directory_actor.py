@@ -1,4 +1,5 @@
 import os
+import threading
 import time
 import uuid
 from typing import NamedTuple
@@ -17,7 +18,14 @@ from distkv.directory import (
     unpack,
 )
 from distkv.names import segment_name
-from ray_actors.directory import get_or_create_shards, kill_shards, shard_clients
+from ray_actors.directory import (
+    FOLLOWERS_GROUP,
+    MAX_FOLLOWERS,
+    DirectoryShard,
+    get_or_create_shards,
+    kill_shards,
+    shard_clients,
+)
 
 pytestmark = pytest.mark.usefixtures("ray_session")
 
@@ -239,3 +247,45 @@ def test_register_refuses_a_pool_of_another_namespace(namespace):
     # nothing of them was applied
     assert [r["replica_id"] for r in ray.get(shard.replicas.remote())] == ["a"]
     assert unpack(ray.get(shard.query.remote([key], namespace=namespace))) == [()]
+
+
+def test_registers_and_publishes_are_answered_while_the_followers_loop_is_busy(namespace):
+    # defined here: Ray's workers cannot import this test module, and pickle it by value
+    class HeldShard(DirectoryShard.__ray_metadata__.modified_class):
+        """A shard whose followers' event loop the test can hold, as packing many large
+        answers would, and let go."""
+
+        def __init__(self, *args) -> None:
+            super().__init__(*args)
+            self._release = threading.Event()
+            self._holding = threading.Event()
+
+        @ray.method(concurrency_group=FOLLOWERS_GROUP)
+        async def hold_followers(self) -> None:
+            self._holding.set()
+            self._release.wait()  # blocks the followers' thread and loop
+
+        async def holding(self) -> bool:
+            return self._holding.is_set()
+
+        async def release(self) -> None:
+            self._release.set()
+
+    shard = ray.remote(concurrency_groups={FOLLOWERS_GROUP: MAX_FOLLOWERS})(HeldShard).remote(10.0, namespace, 0)
+    held = shard.hold_followers.remote()
+    wait_for(lambda: ray.get(shard.holding.remote()), 30)
+    poll = shard.changes.remote(None, 0.0, namespace=namespace)  # waits behind the held loop
+    node_id = ray.get_runtime_context().get_node_id()
+    info = ReplicaInfo("a", node_id, segment_name(namespace, "a"), 8, 1, 4096)
+    key = new_keys(1)[0]
+    # answered while the followers' loop is held; on one loop they would wait for it
+    assert ray.get(shard.register.remote(info, 1, pack([]), namespace=namespace), timeout=30)[1]
+    assert ray.get(shard.publish.remote("a", 2, pack(([(key, 3, 1)], [])), None, namespace=namespace), timeout=30)[1]
+    assert unpack(ray.get(shard.query.remote([key], namespace=namespace), timeout=30)) == [(("a", node_id, 3, 1),)]
+    assert ray.wait([poll], timeout=0)[1] == [poll]  # the poll is still held
+    ray.get(shard.release.remote())
+    ray.get(held)
+    changes = unpack(ray.get(poll))
+    assert changes.is_snapshot and changes.entries == [("a", node_id, [(key, 3, 1)], [])]
+    ray.kill(shard)
+
