@@ -113,14 +113,20 @@ class CallKind(enum.Enum):
     PUBLISH = "publish"
 
 
-# The link flushes a shard's pending changes at most this often, so they travel in batches.
+# A shard's pending changes go out this long after the previous call at the soonest while
+# the replica is idle, so that a lone store is published at once...
 FLUSH_INTERVAL_S = 0.003
+# ...and at most this long after it while changes keep coming: each publish of changes
+# doubles the interval up to this, a heartbeat sets it back. A busy replica then sends
+# each shard one call per MAX_FLUSH_INTERVAL_S, which is what a shard pays for per replica.
+MAX_FLUSH_INTERVAL_S = 1.0
 # Promoted blocks wait up to this long for a batch of their own (any other change takes
 # them along sooner): their keys have a holder already, and a promotion is usually one
 # of a burst whose transfers need the CPU and network more than the Directory does.
 PROMOTED_FLUSH_DELAY_S = 0.25
-# An idle link publishes an empty batch this often, so the Directory knows it is alive.
-HEARTBEAT_INTERVAL_S = 0.5
+# A link that has published nothing for this long publishes an empty batch, so the
+# Directory knows it is alive; any publish counts as a heartbeat.
+HEARTBEAT_INTERVAL_S = 1.0
 # How long a shard holds a change poll open when nothing changes.
 POLL_TIMEOUT_S = 2.0
 # Replicas re-register after a random delay up to this, so a fresh shard is not hit all at once.
@@ -150,8 +156,14 @@ class Publisher:
     """Tells one shard what the replica holds there, until the shard has it.
 
     `store` and `remove` change what the replica holds; `queued` then schedules the
-    changes: they go out in numbered batches at most FLUSH_INTERVAL_S apart, an empty one
-    every HEARTBEAT_INTERVAL_S. One call is in flight at a time; a failed one is sent
+    changes: they go out in numbered batches, `flush_interval` after the previous call at
+    the soonest, and an empty one (a heartbeat) when there was nothing to send for
+    HEARTBEAT_INTERVAL_S. The interval adapts to the load: it starts at FLUSH_INTERVAL_S
+    (a lone store goes at once), each publish of changes doubles it up to
+    MAX_FLUSH_INTERVAL_S (a busy replica sends fewer, larger batches, each a heartbeat
+    too), and a heartbeat sets it back to FLUSH_INTERVAL_S. A full batch (MAX_BATCH_KEYS)
+    goes without waiting and leaves the interval as it is: it cannot grow by waiting.
+    One call is in flight at a time; a failed one is sent
     again, the same batch, after a backoff, however long the shard is down. When the
     shard does not know the replica (it restarted, or expired it), or `saw_epoch` reports
     a shard epoch other than the one registered with, the publisher registers again with
@@ -189,7 +201,8 @@ class Publisher:
         self.held: dict[OffloadKey, tuple[int, int]] = {}  # this replica's blocks in the shard
         # not yet published (None: removed); empty while a re-register is due
         self.pending: dict[OffloadKey, tuple[int, int] | None] = {}
-        self.flush_at = float("inf")  # when pending is due to go (FLUSH_INTERVAL_S apart at most)
+        self.flush_at = float("inf")  # when pending is due to go (flush_interval apart at most)
+        self.flush_interval = FLUSH_INTERVAL_S
         # time.monotonic() when the oldest change not yet sent came in, and that of the
         # batch being published (or to be sent again): for the event lag
         self.pending_since: float | None = None
@@ -290,17 +303,20 @@ class Publisher:
             batch, self.failed_batch = self.failed_batch, None
             self._send(CallKind.PUBLISH, batch, now)
             return now + HEARTBEAT_INTERVAL_S
-        if self.pending:
-            due = min(max(self.last_sent + FLUSH_INTERVAL_S, self.flush_at), self.last_sent + HEARTBEAT_INTERVAL_S)
-            if now < due:
-                return due
-        elif now < self.last_sent + HEARTBEAT_INTERVAL_S:
-            return self.last_sent + HEARTBEAT_INTERVAL_S
         pending = self.pending
         if len(pending) > MAX_BATCH_KEYS:
             batch = {key: pending.pop(key) for key in list(itertools.islice(pending, MAX_BATCH_KEYS))}
+        elif pending:
+            due = min(max(self.last_sent + self.flush_interval, self.flush_at), self.last_sent + HEARTBEAT_INTERVAL_S)
+            if now < due:
+                return due
+            batch = pending
+            self.flush_interval = min(MAX_FLUSH_INTERVAL_S, 2 * self.flush_interval)
+        elif now < self.last_sent + HEARTBEAT_INTERVAL_S:
+            return self.last_sent + HEARTBEAT_INTERVAL_S
         else:
             batch = pending
+            self.flush_interval = FLUSH_INTERVAL_S
         stored = []
         removed = []
         for key, block in batch.items():

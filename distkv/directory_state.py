@@ -280,11 +280,26 @@ class ChangeLog:
             return position
         return None
 
-    def since(self, position: int) -> list[LogEntry]:
-        """The entries from `position` (one that `position()` returned) to the latest, in order."""
-        entries = list(itertools.islice(reversed(self._entries), self._start + len(self._entries) - position))
-        entries.reverse()
-        return entries
+    def since(self, position: int, max_keys: int | None = None) -> list[LogEntry]:
+        """The entries from `position` (one that `position()` returned) on, in order: to the
+        latest, or as many as hold `max_keys` keys at most (one at least)."""
+        entries = self._entries
+        offset = position - self._start
+        if max_keys is None or offset >= len(entries) // 2:  # nearer the end: read from there
+            after = list(itertools.islice(reversed(entries), len(entries) - offset))
+            after.reverse()
+            if max_keys is None:
+                return after
+        else:
+            after = itertools.islice(entries, offset, None)
+        taken: list[LogEntry] = []
+        keys = 0
+        for entry in after:
+            keys += len(entry[2]) + len(entry[3])
+            if taken and keys > max_keys:
+                break
+            taken.append(entry)
+        return taken
 
     def has_news(self, cursor: Cursor | None, follower: str | None = None) -> bool:
         """Whether a follower at `cursor` has more to learn than `follower`'s own entries:
@@ -299,14 +314,21 @@ class ChangeLog:
         return (self._last_other if last_replica == follower else last_position) >= position
 
 
+# A `changes` answer from the log carries whole entries of this many keys at most (one
+# entry at least), so that a follower far behind costs the shard bounded work per answer
+# and catches up over several; its cursor goes on from the last entry it got.
+MAX_ANSWER_KEYS = 1 << 14
+
+
 class DirectoryState:
     """One shard of the Directory: the holders of every key of the shard.
 
     Replicas register, then publish numbered batches of stored and removed keys; a batch
     whose number is not greater than the last one applied for that replica is a retry
     and is ignored. Every change lands in a log of about `log_capacity` keys that
-    followers read with `changes`; a follower whose cursor fell off the log, or comes
-    from another epoch (an earlier incarnation of the shard), gets a snapshot instead.
+    followers read with `changes`, MAX_ANSWER_KEYS at a time; a follower whose cursor
+    fell off the log, or comes from another epoch (an earlier incarnation of the shard),
+    gets a snapshot instead. `packed_changes` packs each distinct answer once.
     """
 
     def __init__(self, log_capacity: int = 1 << 18, clock: Callable[[], float] = time.monotonic) -> None:
@@ -317,6 +339,9 @@ class DirectoryState:
         self._holders: dict[OffloadKey, tuple[HolderFields, ...]] = {}
         self._num_holders = 0
         self._ops = collections.Counter()
+        # packed answers of `changes` by where they start, valid while the log is at `_packed_at`
+        self._packed: dict[tuple[int, bool] | None, bytes] = {}
+        self._packed_at: Cursor | None = None
 
     def register(self, info: ReplicaInfo) -> None:
         """Add a replica, holding nothing. A replica registered again loses its holders."""
@@ -453,13 +478,16 @@ class DirectoryState:
         return self._log.has_news(cursor, follower)
 
     def changes(self, cursor: Cursor | None) -> Changes:
-        """The changes after `cursor` (None: from nothing), with the cursor that follows them."""
+        """The changes after `cursor` (None: from nothing), with the cursor that follows
+        them: all of them, or the first entries of MAX_ANSWER_KEYS keys at most (the
+        answer's cursor then points before the latest; a snapshot is never cut short)."""
         log = self._log
         now = log.cursor()
         position = log.position(cursor)
         if position is not None:
             replicas = None if cursor[2] == now.replicas_version else self._replica_infos()
-            return Changes(now, log.since(position), replicas, False)
+            entries = log.since(position, MAX_ANSWER_KEYS)
+            return Changes(now._replace(position=position + len(entries)), entries, replicas, False)
         self._ops["snapshots"] += 1
         holders = self._holders
         entries = []
@@ -472,6 +500,24 @@ class DirectoryState:
             ]
             entries.append((replica_id, replica.info.node_id, stored, []))
         return Changes(now, entries, self._replica_infos(), True)
+
+    def packed_changes(self, cursor: Cursor | None) -> bytes:
+        """`pack(self.changes(cursor))`, packed once for every follower that asks from the
+        same place until the log changes: one publish wakes every follower, and most of
+        them ask from the cursor of the change before it."""
+        log = self._log
+        now = log.cursor()
+        if self._packed_at != now:
+            self._packed.clear()
+            self._packed_at = now
+        position = log.position(cursor)
+        # what the answer depends on: where in the log it starts (None: a snapshot) and
+        # whether it carries the set of replicas
+        start = None if position is None else (position, cursor[2] == now.replicas_version)
+        packed = self._packed.get(start)
+        if packed is None:
+            packed = self._packed[start] = pack(self.changes(cursor))
+        return packed
 
     def stats(self) -> dict[str, int]:
         """Sizes (keys, holders, replicas, log entries) and operation counts."""
@@ -492,8 +538,9 @@ class DirectoryState:
         for key in replica.keys:
             _drop_holder(holders, key, replica_id)
         self._num_holders -= len(replica.keys)
-        if replica.keys:
-            self._log.append((replica_id, replica.info.node_id, [], list(replica.keys)))
+        keys = list(replica.keys)
+        for i in range(0, len(keys), MAX_ANSWER_KEYS):  # entries that fit in an answer
+            self._log.append((replica_id, replica.info.node_id, [], keys[i : i + MAX_ANSWER_KEYS]))
         del self._replicas[replica_id]
         self._log.replicas_changed()
 

@@ -2,8 +2,9 @@
 
 Each shard is a detached, restartable asyncio actor around a `DirectoryState`, placed
 round-robin over the cluster's live nodes, the head first (`shard_nodes`), with a soft
-affinity: when its node dies Ray restarts it on another one. Long polls for changes wait on an event, so they never hold up
-publishes. A restarted shard starts empty with a new epoch; the replicas' links notice
+affinity: when its node dies Ray restarts it on another one. Long polls for changes wait on
+an event, on an event loop of their own (a concurrency group), so that neither their waiting
+nor the packing of their answers holds up registers, publishes and queries. A restarted shard starts empty with a new epoch; the replicas' links notice
 and publish everything again. `shard_clients` hands a replica's `DirectoryLink` its
 shards as the `ShardClient`s it calls.
 """
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 import weakref
 from collections.abc import Sequence
@@ -39,14 +41,20 @@ logger = logging.getLogger(__name__)
 NODE_POLL_S = 1.0
 # A replica not heard from for this long is dropped; links heartbeat every 0.5 s.
 REPLICA_TIMEOUT_S = 10.0
+# The concurrency group of `changes`: the followers' long polls, on their own thread and
+# event loop, and at most this many at once (one per replica of the namespace).
+FOLLOWERS_GROUP = "followers"
+MAX_FOLLOWERS = 4096
 
 
-@ray.remote
+@ray.remote(concurrency_groups={FOLLOWERS_GROUP: MAX_FOLLOWERS})
 class DirectoryShard:
     """One shard of the Directory. Every method returns promptly except `changes`.
 
     Bulk payloads cross as `distkv.directory.pack`ed bytes: stored entries come as a
     packed list of (key, row, generation), changes and query answers go back packed.
+    `changes` runs in FOLLOWERS_GROUP, every other method on the default event loop,
+    which alone changes the state; `_lock` keeps the followers' reads of it whole.
     """
 
     def __init__(self, replica_timeout_s: float = REPLICA_TIMEOUT_S, namespace: str = "", shard: int = 0) -> None:
@@ -55,7 +63,11 @@ class DirectoryShard:
         self._namespace = namespace
         self._shard = shard
         metrics.register(metrics.DirectorySource(self._state, namespace, shard, metrics.this_node()))
-        self._changed = asyncio.Event()
+        self._lock = threading.Lock()
+        # set on the followers' loop by the first `changes`; every change sets `_changed`
+        # there (and replaces it), which wakes the polls waiting on it
+        self._changed: asyncio.Event | None = None
+        self._followers_loop: asyncio.AbstractEventLoop | None = None
         # Ray runs an async actor's __init__ on its event loop.
         self._watcher = asyncio.get_running_loop().create_task(self._watch())
 
@@ -70,9 +82,10 @@ class DirectoryShard:
         if isinstance(info, ReplicaInfo):  # else register says what is wrong
             check_pool_namespace(info.pool_name, self._namespace)
             check_stored(stored, info.num_rows)
-        before = self._state.cursor()
-        self._state.register(info)
-        self._state.publish(info.replica_id, seq, stored, ())
+        with self._lock:
+            before = self._state.cursor()
+            self._state.register(info)
+            self._state.publish(info.replica_id, seq, stored, ())
         self._notify(before)
         return self._state.epoch, True
 
@@ -85,17 +98,19 @@ class DirectoryShard:
         """
         self._check(namespace)
         stored, removed = unpack(changes)
-        before = self._state.cursor()
-        known = self._state.publish(replica_id, seq, stored, removed)
-        if known and report is not None:
-            self._state.set_report(replica_id, report)
+        with self._lock:
+            before = self._state.cursor()
+            known = self._state.publish(replica_id, seq, stored, removed)
+            if known and report is not None:
+                self._state.set_report(replica_id, report)
         self._notify(before)
         return self._state.epoch, known
 
     async def unregister(self, replica_id: str, namespace: str) -> bool:
         self._check(namespace)
-        before = self._state.cursor()
-        known = self._state.unregister(replica_id)
+        with self._lock:
+            before = self._state.cursor()
+            known = self._state.unregister(replica_id)
         self._notify(before)
         return known
 
@@ -104,28 +119,39 @@ class DirectoryShard:
         self._check(namespace)
         return pack(self._state.query(keys))
 
+    @ray.method(concurrency_group=FOLLOWERS_GROUP)
     async def changes(self, cursor: Cursor | None, timeout_s: float, namespace: str, follower: str | None = None) -> bytes:
-        """The packed changes after `cursor`, once they hold something besides the
-        `follower` replica's own (which its link knows already), or after `timeout_s`."""
+        """The packed changes after `cursor` (see `DirectoryState.packed_changes`), once
+        they hold something besides the `follower` replica's own (which its link knows
+        already), or after `timeout_s`."""
         self._check(namespace)
+        if self._followers_loop is None:
+            self._changed = asyncio.Event()
+            self._followers_loop = asyncio.get_running_loop()
         deadline = time.monotonic() + timeout_s
-        while not self._state.has_news(cursor, follower):
+        while True:
+            with self._lock:
+                news = self._state.has_news(cursor, follower)
             remaining = deadline - time.monotonic()
-            if remaining <= 0:
+            if news or remaining <= 0:
                 break
             try:
+                # a change made since has_news wakes this: its _wake_followers runs on this loop, later
                 await asyncio.wait_for(self._changed.wait(), remaining)
             except asyncio.TimeoutError:
                 break
-        return pack(self._state.changes(cursor))
+        with self._lock:
+            return self._state.packed_changes(cursor)
 
     async def stats(self) -> dict[str, int | str]:
+        with self._lock:
+            stats = self._state.stats()
         return {
             "namespace": self._namespace,
             "shard": self._shard,
             "epoch": self._state.epoch,
             "node_id": ray.get_runtime_context().get_node_id(),
-            **self._state.stats(),
+            **stats,
         }
 
     async def replicas(self) -> list[dict]:
@@ -136,9 +162,15 @@ class DirectoryShard:
         check_namespace(self._namespace, namespace, f"directory shard {shard_name(self._namespace, self._shard)}")
 
     def _notify(self, before: Cursor) -> None:
-        if self._state.cursor() != before:
-            self._changed.set()
-            self._changed = asyncio.Event()
+        """Wake the followers' polls if the state changed since it was at `before`."""
+        loop = self._followers_loop
+        if loop is not None and self._state.cursor() != before:
+            loop.call_soon_threadsafe(self._wake_followers)
+
+    def _wake_followers(self) -> None:
+        """On the followers' loop: wake every poll waiting for a change."""
+        self._changed.set()
+        self._changed = asyncio.Event()
 
     async def _watch(self) -> None:
         """Drop replicas on nodes Ray reports dead, and replicas that stopped heartbeating."""
@@ -150,11 +182,12 @@ class DirectoryShard:
             except Exception as e:
                 logger.warning("directory: reading Ray's node table failed: %s", e)
                 nodes = []
-            before = self._state.cursor()
-            for node in nodes:
-                if not node["Alive"]:
-                    self._state.drop_node(node["NodeID"])
-            self._state.expire(time.monotonic(), self._replica_timeout_s)
+            with self._lock:
+                before = self._state.cursor()
+                for node in nodes:
+                    if not node["Alive"]:
+                        self._state.drop_node(node["NodeID"])
+                self._state.expire(time.monotonic(), self._replica_timeout_s)
             self._notify(before)
 
 

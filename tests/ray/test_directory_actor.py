@@ -1,4 +1,5 @@
 import os
+import threading
 import time
 import uuid
 from typing import NamedTuple
@@ -6,9 +7,25 @@ from typing import NamedTuple
 import pytest
 import ray
 
-from distkv.directory import PROMOTED_FLUSH_DELAY_S, DirectoryLink, Holder, ReplicaInfo, pack, shard_of, unpack
+from distkv.directory import (
+    HEARTBEAT_INTERVAL_S,
+    PROMOTED_FLUSH_DELAY_S,
+    DirectoryLink,
+    Holder,
+    ReplicaInfo,
+    pack,
+    shard_of,
+    unpack,
+)
 from distkv.names import segment_name
-from ray_actors.directory import get_or_create_shards, kill_shards, shard_clients
+from ray_actors.directory import (
+    FOLLOWERS_GROUP,
+    MAX_FOLLOWERS,
+    DirectoryShard,
+    get_or_create_shards,
+    kill_shards,
+    shard_clients,
+)
 
 pytestmark = pytest.mark.usefixtures("ray_session")
 
@@ -160,14 +177,14 @@ def test_close_unregisters(make_link):
 
 
 def test_replica_that_stops_heartbeating_expires(make_link, namespace):
-    (shard,) = get_or_create_shards(namespace, 1, replica_timeout_s=1.5)
+    (shard,) = get_or_create_shards(namespace, 1, replica_timeout_s=3 * HEARTBEAT_INTERVAL_S)
     alive, watcher = make_link("alive", 1), make_link("watcher", 1)
     ghost_keys, alive_keys = new_keys(3), new_keys(3)
     ghost = ReplicaInfo("ghost", watcher.info.node_id, segment_name(namespace, "ghost"), 8, 1, 4096)
     ray.get(shard.register.remote(ghost, 1, pack([(k, i, 1) for i, k in enumerate(ghost_keys)]), namespace=namespace))
     alive.stored([(k, i, 1) for i, k in enumerate(alive_keys)])
     wait_for(lambda: visible(watcher, ghost_keys, "ghost") and visible(watcher, alive_keys, "alive"), 10)
-    waited = wait_for(lambda: invisible(watcher, ghost_keys), 5)
+    waited = wait_for(lambda: invisible(watcher, ghost_keys), 10)
     assert waited > 0.5
     assert visible(watcher, alive_keys, "alive")  # its link heartbeats
     assert ray.get(shard.stats.remote())["expired_replicas"] == 1
@@ -231,3 +248,45 @@ def test_register_refuses_a_pool_of_another_namespace(namespace):
     # nothing of them was applied
     assert [r["replica_id"] for r in ray.get(shard.replicas.remote())] == ["a"]
     assert unpack(ray.get(shard.query.remote([key], namespace=namespace))) == [()]
+
+
+def test_registers_and_publishes_are_answered_while_the_followers_loop_is_busy(namespace):
+    # defined here: Ray's workers cannot import this test module, and pickle it by value
+    class HeldShard(DirectoryShard.__ray_metadata__.modified_class):
+        """A shard whose followers' event loop the test can hold, as packing many large
+        answers would, and let go."""
+
+        def __init__(self, *args) -> None:
+            super().__init__(*args)
+            self._release = threading.Event()
+            self._holding = threading.Event()
+
+        @ray.method(concurrency_group=FOLLOWERS_GROUP)
+        async def hold_followers(self) -> None:
+            self._holding.set()
+            self._release.wait()  # blocks the followers' thread and loop
+
+        async def holding(self) -> bool:
+            return self._holding.is_set()
+
+        async def release(self) -> None:
+            self._release.set()
+
+    shard = ray.remote(concurrency_groups={FOLLOWERS_GROUP: MAX_FOLLOWERS})(HeldShard).remote(10.0, namespace, 0)
+    held = shard.hold_followers.remote()
+    wait_for(lambda: ray.get(shard.holding.remote()), 30)
+    poll = shard.changes.remote(None, 0.0, namespace=namespace)  # waits behind the held loop
+    node_id = ray.get_runtime_context().get_node_id()
+    info = ReplicaInfo("a", node_id, segment_name(namespace, "a"), 8, 1, 4096)
+    key = new_keys(1)[0]
+    # answered while the followers' loop is held; on one loop they would wait for it
+    assert ray.get(shard.register.remote(info, 1, pack([]), namespace=namespace), timeout=30)[1]
+    assert ray.get(shard.publish.remote("a", 2, pack(([(key, 3, 1)], [])), None, namespace=namespace), timeout=30)[1]
+    assert unpack(ray.get(shard.query.remote([key], namespace=namespace), timeout=30)) == [(("a", node_id, 3, 1),)]
+    assert ray.wait([poll], timeout=0)[1] == [poll]  # the poll is still held
+    ray.get(shard.release.remote())
+    ray.get(held)
+    changes = unpack(ray.get(poll))
+    assert changes.is_snapshot and changes.entries == [("a", node_id, [(key, 3, 1)], [])]
+    ray.kill(shard)
+

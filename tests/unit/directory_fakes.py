@@ -78,7 +78,7 @@ class FakeShard:
         return self.state.unregister(replica_id)
 
     def _changes(self, cursor, timeout_s, namespace, follower):
-        return pack(self.state.changes(cursor))
+        return self.state.packed_changes(cursor)
 
     def _query(self, keys, namespace):
         return pack(self.state.query(keys))

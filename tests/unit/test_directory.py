@@ -1,4 +1,5 @@
 import hashlib
+import pickle
 
 import pytest
 from hypothesis import given, settings
@@ -12,6 +13,7 @@ from distkv.directory import (
     ShardView,
     shard_of,
 )
+from distkv import directory_state
 
 
 def key(i: int) -> bytes:
@@ -289,6 +291,51 @@ def test_followers_replaying_changes_match_the_state(program, log_capacity):
         assert {k: set(v) for k, v in view.holders.items()} == {k: set(v) for k, v in expected.items() if v}
         assert view.replicas == s.changes(None).replicas
         assert view.cursor == s.cursor()
+
+
+def test_a_follower_far_behind_gets_bounded_answers_and_converges(state, monkeypatch):
+    monkeypatch.setattr(directory_state, "MAX_ANSWER_KEYS", 7)
+    view = ShardView(exclude="b")
+    follow(state, view)
+    for seq in range(1, 120):  # far behind: the follower asks nothing meanwhile
+        replica = "ab"[seq % 2]
+        stored = [(key(seq % 40 + i), seq % 16, seq) for i in range(seq % 5)]
+        state.publish(replica, seq, stored, [key((seq * 7) % 40)])
+        if seq == 60:
+            state.register(info("c"))
+            state.publish("c", 1, [(key(i), i, 1) for i in range(12)], [])  # one entry past the bound
+            state.unregister("c")
+    answers = 0
+    while view.cursor != state.cursor():
+        changes = state.changes(view.cursor)
+        sizes = [len(stored) + len(removed) for _, _, stored, removed in changes.entries]
+        assert not changes.is_snapshot and (sum(sizes) <= 7 or len(sizes) == 1)
+        view.apply(changes)
+        answers += 1
+    assert answers > 10
+    fresh = ShardView(exclude="b")
+    follow(state, fresh)
+    assert view.holders == fresh.holders and view.replicas == fresh.replicas == state.changes(None).replicas
+
+
+def test_followers_at_one_cursor_share_one_packed_answer_until_the_log_changes(state, monkeypatch):
+    packs = []
+    monkeypatch.setattr(directory_state, "pack", lambda payload: packs.append(payload) or pickle.dumps(payload))
+    state.publish("a", 1, [(key(1), 1, 1)], [])
+    behind = state.cursor()
+    state.publish("a", 2, [(key(2), 2, 2)], [])
+    answers = [state.packed_changes(behind) for _ in range(50)]
+    assert len(packs) == 1 and all(a is answers[0] for a in answers)
+    assert pickle.loads(answers[0]) == state.changes(behind)
+    stale = [Cursor("an earlier epoch", 3, 0), None, Cursor(state.epoch, 10**6, 0)]
+    assert len({state.packed_changes(c) for c in stale}) == 1 and len(packs) == 2  # one snapshot for all
+    state.packed_changes(Cursor(behind.epoch, behind.position, behind.replicas_version - 1))
+    assert len(packs) == 3  # that one needs the set of replicas too
+    state.publish("b", 1, [(key(3), 3, 3)], [])  # a change: answered afresh
+    assert pickle.loads(state.packed_changes(behind)) == state.changes(behind) and len(packs) == 4
+    state.publish("b", 1, [(key(3), 3, 3)], [])  # a retry changes nothing
+    state.packed_changes(behind)
+    assert len(packs) == 4
 
 
 def test_shard_of_spreads_hashed_keys():

@@ -87,3 +87,19 @@ def test_capacity_must_be_positive():
     for capacity in (0, -1, 1.5, "4"):
         with pytest.raises(ValueError, match="log_capacity"):
             ChangeLog(capacity)
+
+
+def test_since_with_a_bound_gives_whole_entries_up_to_that_many_keys_and_one_at_least():
+    log = ChangeLog(1000)
+    start = log.cursor()
+    entries = [entry("a", stored=n) for n in (3, 2, 4, 1, 9, 1)]
+    for e in entries:
+        log.append(e)
+    since = lambda position: log.since(position, max_keys=5)  # noqa: E731
+    assert since(0) == entries[:2]
+    assert since(2) == entries[2:4]
+    assert since(4) == entries[4:5]  # larger than the bound alone: whole, on its own
+    assert since(5) == entries[5:] and since(6) == []
+    # from the near end and from the far end of the log alike
+    assert [since(p) for p in range(7)] == [log.since(p)[: len(since(p))] for p in range(7)]
+    assert log.since(log.position(start)) == entries

@@ -120,3 +120,25 @@ def test_a_failed_first_poll_leaves_it_unsynced(rig):
     rig.shard.answer()
     rig.step(0.0)
     assert not rig.follower.synced
+
+
+def test_a_follower_far_behind_catches_up_over_bounded_answers(monkeypatch):
+    import distkv.directory_state
+
+    monkeypatch.setattr(distkv.directory_state, "MAX_ANSWER_KEYS", 4)
+    rig = Rig()
+    rig.step()
+    rig.shard.answer()
+    rig.step(0.0)  # the first answer: a snapshot
+    state = rig.shard.state
+    for seq in range(1, 30):
+        state.publish("b", seq, [(key(seq), seq % 64, seq), (key(seq + 100), 1, seq)], [key(seq - 1)])
+    answers = 0
+    while rig.view.cursor != state.cursor():
+        assert rig.shard.in_flight() == ["changes"]  # asks again at once: no wait between answers
+        rig.shard.answer()
+        rig.step(0.0)
+        answers += 1
+    assert answers == 29
+    truth = {key(i): holders for i in range(200) if (holders := state.query([key(i)])[0])}
+    assert rig.view.holders == {k: tuple(Holder(*h) for h in v) for k, v in truth.items()}

@@ -5,7 +5,15 @@ import collections
 import pytest
 from directory_fakes import FakeShard, key
 
-from distkv.directory import HEARTBEAT_INTERVAL_S, DirectoryState, Publisher, ReplicaInfo, unpack
+from distkv.directory import (
+    FLUSH_INTERVAL_S,
+    HEARTBEAT_INTERVAL_S,
+    MAX_FLUSH_INTERVAL_S,
+    DirectoryState,
+    Publisher,
+    ReplicaInfo,
+    unpack,
+)
 from distkv.errors import ErrorLog
 
 
@@ -229,3 +237,117 @@ def test_changes_past_the_batch_bound_go_in_several_publishes_and_the_latest_win
     rig.shard.answer()
     assert rig.shard.held_by("a") == {key(2): (2, 1), key(3): (3, 2), key(4): (4, 1), key(5): (5, 1)}
     assert rig.shard.held_by("a") == rig.publisher.held
+
+
+def publish_times(rig, store_every_s: float, duration_s: float) -> list[tuple[float, int]]:
+    """Store a key every `store_every_s` for `duration_s`, the shard answering at once:
+    (when, keys carried) of each publish."""
+    sent = []
+    end = rig.now + duration_s
+    i = 1000
+    while rig.now < end:
+        rig.store((key(i), 1, i))
+        i += 1
+        rig.step(store_every_s)
+        sent += [(rig.now, len(args[2][0]) + len(args[2][1])) for _, args in rig.sent() if _ == "publish"]
+        rig.shard.answer()
+    return sent
+
+
+def test_the_flush_interval_grows_while_changes_keep_coming_and_a_heartbeat_sets_it_back(rig):
+    rig.step(HEARTBEAT_INTERVAL_S)
+    rig.shard.answer()  # a heartbeat: the interval is at its least
+    rig.step(0.1)
+    rig.store((key(1), 1, 1))
+    rig.step(0.0)
+    assert [m for m, _ in rig.sent()] == ["publish"]  # a lone store goes at once
+    rig.shard.answer()
+
+    sent = publish_times(rig, 0.01, 10.0)  # a busy replica: a store every 10 ms
+    gaps = [b[0] - a[0] for a, b in zip(sent, sent[1:])]
+    assert gaps[0] <= 0.02 + 1e-9  # at first, every store or two goes on its own...
+    assert all(b >= a - 1e-9 for a, b in zip(gaps, gaps[1:]))  # ...then in ever fewer calls...
+    assert gaps[-3:] == [pytest.approx(MAX_FLUSH_INTERVAL_S, abs=0.011)] * 3  # ...one per interval at most
+    assert all(n > 0 for _, n in sent)  # each publish carried changes: it was the heartbeat too
+    assert sum(n for _, n in sent) <= 1000 and len(sent) < 30
+
+    rig.step(MAX_FLUSH_INTERVAL_S)  # the last changes go
+    rig.shard.answer()
+    rig.step(0.0)
+    assert rig.shard.calls == []  # nothing pending
+    rig.step(HEARTBEAT_INTERVAL_S)
+    assert [(m, args[2]) for m, args in rig.sent()] == [("publish", ([], []))]  # idle: a heartbeat
+    rig.shard.answer()
+    rig.step(0.2)
+    rig.store((key(2), 2, 2))
+    rig.step(0.0)
+    assert [args[2][0] for _, args in rig.sent()] == [[(key(2), 2, 2)]]  # idle again: at once
+    rig.shard.answer()
+    rig.step(0.0)
+    rig.store((key(3), 3, 3))
+    assert rig.step(0.0) == pytest.approx(rig.now + 2 * FLUSH_INTERVAL_S)  # the interval starts small again
+
+
+def test_a_full_batch_goes_without_waiting_for_the_interval(rig, monkeypatch):
+    import distkv.directory
+
+    publish_times(rig, 0.01, 5.0)  # busy: the interval has grown to its longest
+    rig.step(MAX_FLUSH_INTERVAL_S)  # the last changes go
+    rig.shard.answer()
+    rig.step(0.0)  # nothing in flight, nothing pending
+    assert rig.shard.calls == [] and rig.publisher.flush_interval == MAX_FLUSH_INTERVAL_S
+    monkeypatch.setattr(distkv.directory, "MAX_BATCH_KEYS", 3)
+    rig.store(*[(key(i), i, 1) for i in range(7)])
+    sizes = []
+    for _ in range(2):
+        rig.step(0.0)
+        sizes += [len(args[2][0]) for _, args in rig.sent()]
+        rig.shard.answer()
+    assert sizes == [3, 3]  # full batches, back to back
+    assert rig.step(0.0) > rig.now  # the rest waits for the interval
+    assert rig.shard.calls == []
+
+
+def test_a_shard_down_past_the_pending_bound_gets_a_resync_and_memory_stays_bounded(rig, monkeypatch):
+    import distkv.directory
+
+    monkeypatch.setattr(distkv.directory, "MAX_PENDING_KEYS", 32)
+    monkeypatch.setattr(distkv.directory, "MAX_BATCH_KEYS", 8)
+    publisher = rig.publisher
+    rig.store(*[(key(i), i, 1) for i in range(20)])
+    rig.step()
+    rig.shard.answer()
+    rig.step(0.0)
+
+    rig.shard.up = False
+    churn = 1000
+    largest_pending = largest_retry = 0
+    for round_ in range(400):  # 40 s of stores and evictions while the shard is down
+        for _ in range(4):
+            publisher.store(key(churn), 1 + churn % 60, 2)
+            publisher.remove(key(churn - 8))
+            churn += 1
+        if round_ % 50 == 0:
+            publisher.remove(key(round_ // 50))  # some of what the shard has goes too
+        publisher.queued(rig.now, rig.now, lagged=True)
+        largest_pending = max(largest_pending, len(publisher.pending))
+        rig.step(0.1)
+        rig.shard.answer()
+        if publisher.failed_batch is not None:
+            _, stored, removed = publisher.failed_batch
+            largest_retry = max(largest_retry, len(stored) + len(removed))
+    assert largest_pending <= max(32, len(publisher.held)) + 9  # the bound, and one round's changes
+    assert largest_retry <= 8
+    assert rig.errors.counts()["directory_publish"] > 0
+
+    rig.shard.up = True
+    methods = []
+    for _ in range(50):
+        rig.step(0.1)
+        methods += rig.shard.in_flight()
+        rig.shard.answer()
+    assert methods[0] == "register"  # a resync, not a replay of what was pending
+    held = publisher.held
+    assert len(held) == 20 - 8 + 8
+    assert rig.shard.held_by("a") == held  # exactly what the replica holds
+    assert rig.shard.state.stats()["holders"] == len(held)
