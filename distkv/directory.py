@@ -30,6 +30,7 @@ from typing import Protocol
 
 from distkv.abstract import OffloadKey
 from distkv.directory_state import (
+    FLUSH_INTERVAL_S,
     ChangeLog,
     Changes,
     Cursor,
@@ -51,7 +52,7 @@ from distkv.errors import ErrorLog
 from distkv.metrics import MAX_OBSERVATIONS
 
 __all__ = [
-    "ChangeLog", "Changes", "Cursor", "DirectoryLink", "DirectoryState", "Follower", "Holder", "HolderFields",
+    "FLUSH_INTERVAL_S", "ChangeLog", "Changes", "Cursor", "DirectoryLink", "DirectoryState", "Follower", "Holder", "HolderFields",
     "InboxKind", "LogEntry", "Publisher", "ReadyBlock", "ReplicaInfo", "ShardClient", "ShardView", "StoredEntry",
     "check_namespace", "check_stored", "pack", "shard_of", "unpack",
 ]
@@ -77,10 +78,10 @@ class ShardClient(Protocol):
     """
 
     def register(self, info: ReplicaInfo, seq: int, stored: bytes, namespace: str) -> Future:
-        """Future of (epoch, True)."""
+        """Future of (epoch, True, the interval to leave between calls: `DirectoryState.publish_interval`)."""
 
     def publish(self, replica_id: str, seq: int, changes: bytes, report: dict | None, namespace: str) -> Future:
-        """Future of (epoch, whether the shard knows the replica)."""
+        """Future of (epoch, whether the shard knows the replica, the interval to leave between calls)."""
 
     def unregister(self, replica_id: str, namespace: str) -> Future:
         """Future of whether the replica was registered."""
@@ -113,19 +114,13 @@ class CallKind(enum.Enum):
     PUBLISH = "publish"
 
 
-# A shard's pending changes go out this long after the previous call at the soonest while
-# the replica is idle, so that a lone store is published at once...
-FLUSH_INTERVAL_S = 0.003
-# ...and at most this long after it while changes keep coming: each publish of changes
-# doubles the interval up to this, a heartbeat sets it back. A busy replica then sends
-# each shard one call per MAX_FLUSH_INTERVAL_S, which is what a shard pays for per replica.
-MAX_FLUSH_INTERVAL_S = 1.0
 # Promoted blocks wait up to this long for a batch of their own (any other change takes
 # them along sooner): their keys have a holder already, and a promotion is usually one
 # of a burst whose transfers need the CPU and network more than the Directory does.
 PROMOTED_FLUSH_DELAY_S = 0.25
-# A link that has published nothing for this long publishes an empty batch, so the
-# Directory knows it is alive; any publish counts as a heartbeat.
+# A link that has published nothing for this long, or for its shard's flush interval if
+# longer, publishes an empty batch, so the Directory knows it is alive; any publish counts
+# as a heartbeat.
 HEARTBEAT_INTERVAL_S = 1.0
 # How long a shard holds a change poll open when nothing changes.
 POLL_TIMEOUT_S = 2.0
@@ -158,11 +153,11 @@ class Publisher:
     `store` and `remove` change what the replica holds; `queued` then schedules the
     changes: they go out in numbered batches, `flush_interval` after the previous call at
     the soonest, and an empty one (a heartbeat) when there was nothing to send for
-    HEARTBEAT_INTERVAL_S. The interval adapts to the load: it starts at FLUSH_INTERVAL_S
-    (a lone store goes at once), each publish of changes doubles it up to
-    MAX_FLUSH_INTERVAL_S (a busy replica sends fewer, larger batches, each a heartbeat
-    too), and a heartbeat sets it back to FLUSH_INTERVAL_S. A full batch (MAX_BATCH_KEYS)
-    goes without waiting and leaves the interval as it is: it cannot grow by waiting.
+    max(HEARTBEAT_INTERVAL_S, flush_interval). The shard sets the interval with each
+    answer (`DirectoryState.publish_interval`: it grows with the replicas it serves), so
+    the calls of all its replicas stay within what it can take; a change after a quiet
+    interval goes at once, changes that keep coming go together, one call per interval.
+    A full batch (MAX_BATCH_KEYS) goes without waiting: it cannot grow by waiting.
     One call is in flight at a time; a failed one is sent
     again, the same batch, after a backoff, however long the shard is down. When the
     shard does not know the replica (it restarted, or expired it), or `saw_epoch` reports
@@ -202,7 +197,7 @@ class Publisher:
         # not yet published (None: removed); empty while a re-register is due
         self.pending: dict[OffloadKey, tuple[int, int] | None] = {}
         self.flush_at = float("inf")  # when pending is due to go (flush_interval apart at most)
-        self.flush_interval = FLUSH_INTERVAL_S
+        self.flush_interval = FLUSH_INTERVAL_S  # as the shard last asked
         # time.monotonic() when the oldest change not yet sent came in, and that of the
         # batch being published (or to be sent again): for the event lag
         self.pending_since: float | None = None
@@ -304,19 +299,18 @@ class Publisher:
             self._send(CallKind.PUBLISH, batch, now)
             return now + HEARTBEAT_INTERVAL_S
         pending = self.pending
+        heartbeat_at = self.last_sent + max(HEARTBEAT_INTERVAL_S, self.flush_interval)
         if len(pending) > MAX_BATCH_KEYS:
             batch = {key: pending.pop(key) for key in list(itertools.islice(pending, MAX_BATCH_KEYS))}
         elif pending:
-            due = min(max(self.last_sent + self.flush_interval, self.flush_at), self.last_sent + HEARTBEAT_INTERVAL_S)
+            due = min(max(self.last_sent + self.flush_interval, self.flush_at), heartbeat_at)
             if now < due:
                 return due
             batch = pending
-            self.flush_interval = min(MAX_FLUSH_INTERVAL_S, 2 * self.flush_interval)
-        elif now < self.last_sent + HEARTBEAT_INTERVAL_S:
-            return self.last_sent + HEARTBEAT_INTERVAL_S
+        elif now < heartbeat_at:
+            return heartbeat_at
         else:
             batch = pending
-            self.flush_interval = FLUSH_INTERVAL_S
         stored = []
         removed = []
         for key, block in batch.items():
@@ -367,7 +361,7 @@ class Publisher:
         kind, batch = self._call
         self._call = None
         try:
-            epoch, known = future.result()
+            epoch, known, self.flush_interval = future.result()
         except Exception as e:
             self._failed(kind, batch, e, now)
             return

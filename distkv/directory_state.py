@@ -97,6 +97,24 @@ class Changes(NamedTuple):
     is_snapshot: bool
 
 
+# A shard asks each replica to leave this long between its calls at least, so that a
+# lone change goes at once...
+FLUSH_INTERVAL_S = 0.003
+# ...and at most this long, whatever the load: a replica's calls are its heartbeats too,
+# and a shard drops a replica silent for a few of these.
+MAX_FLUSH_INTERVAL_S = 2.0
+# What a shard's replicas together may send it, in calls a second: a publish costs a shard
+# Ray's cost per call, not the state's work (docs/scale.md), so the shard paces its replicas
+# to this many calls and batches what they send in between.
+SHARD_PUBLISHES_PER_S = 250
+
+
+def publish_interval(num_replicas: int) -> float:
+    """How long each of a shard's `num_replicas` replicas should leave between its calls:
+    their count over SHARD_PUBLISHES_PER_S, within [FLUSH_INTERVAL_S, MAX_FLUSH_INTERVAL_S]."""
+    return min(MAX_FLUSH_INTERVAL_S, max(FLUSH_INTERVAL_S, num_replicas / SHARD_PUBLISHES_PER_S))
+
+
 def pack(payload: object) -> bytes:
     """A bulk payload (stored entries, changes, query answers) as it crosses Ray.
 
@@ -353,6 +371,10 @@ class DirectoryState:
         self._replicas[info.replica_id] = _Replica(info, self._clock())
         self._log.replicas_changed()
         self._ops["registers"] += 1
+
+    def publish_interval(self) -> float:
+        """The interval this shard asks of each replica between calls (`publish_interval`)."""
+        return publish_interval(len(self._replicas))
 
     def unregister(self, replica_id: str) -> bool:
         """Drop a replica and its holders; whether it was registered."""

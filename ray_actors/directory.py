@@ -71,8 +71,9 @@ class DirectoryShard:
         # Ray runs an async actor's __init__ on its event loop.
         self._watcher = asyncio.get_running_loop().create_task(self._watch())
 
-    async def register(self, info: ReplicaInfo, seq: int, stored: bytes, namespace: str) -> tuple[str, bool]:
-        """Register a replica afresh and publish everything it holds (packed entries), as one change.
+    async def register(self, info: ReplicaInfo, seq: int, stored: bytes, namespace: str) -> tuple[str, bool, float]:
+        """Register a replica afresh and publish everything it holds (packed entries), as one
+        change; (epoch, True, the interval the replica is to leave between its calls).
 
         Every call that changes or reads holders refuses another cache `namespace` (ValueError),
         and `register` a replica whose pool is not a segment of this shard's namespace.
@@ -87,12 +88,13 @@ class DirectoryShard:
             self._state.register(info)
             self._state.publish(info.replica_id, seq, stored, ())
         self._notify(before)
-        return self._state.epoch, True
+        return self._state.epoch, True, self._state.publish_interval()
 
     async def publish(
         self, replica_id: str, seq: int, changes: bytes, report: dict | None, namespace: str
-    ) -> tuple[str, bool]:
-        """Apply a packed (stored, removed); (epoch, whether the replica is registered).
+    ) -> tuple[str, bool, float]:
+        """Apply a packed (stored, removed); (epoch, whether the replica is registered, the
+        interval it is to leave between its calls: `DirectoryState.publish_interval`).
 
         See `DirectoryState.publish`. `report`: the replica's latest stats, if sent along.
         """
@@ -104,7 +106,7 @@ class DirectoryShard:
             if known and report is not None:
                 self._state.set_report(replica_id, report)
         self._notify(before)
-        return self._state.epoch, known
+        return self._state.epoch, known, self._state.publish_interval()
 
     async def unregister(self, replica_id: str, namespace: str) -> bool:
         self._check(namespace)

@@ -65,14 +65,14 @@ class FakeShard:
     def _register(self, info, seq, stored, namespace):
         self.state.register(info)
         self.state.publish(info.replica_id, seq, unpack(stored), ())
-        return self.state.epoch, True
+        return self.state.epoch, True, self.state.publish_interval()
 
     def _publish(self, replica_id, seq, changes, report, namespace):
         stored, removed = unpack(changes)
         known = self.state.publish(replica_id, seq, stored, removed)
         if known and report is not None:
             self.state.set_report(replica_id, report)
-        return self.state.epoch, known
+        return self.state.epoch, known, self.state.publish_interval()
 
     def _unregister(self, replica_id, namespace):
         return self.state.unregister(replica_id)

@@ -8,12 +8,12 @@ from directory_fakes import FakeShard, key
 from distkv.directory import (
     FLUSH_INTERVAL_S,
     HEARTBEAT_INTERVAL_S,
-    MAX_FLUSH_INTERVAL_S,
     DirectoryState,
     Publisher,
     ReplicaInfo,
     unpack,
 )
+from distkv.directory_state import MAX_FLUSH_INTERVAL_S
 from distkv.errors import ErrorLog
 
 
@@ -254,48 +254,69 @@ def publish_times(rig, store_every_s: float, duration_s: float) -> list[tuple[fl
     return sent
 
 
-def test_the_flush_interval_grows_while_changes_keep_coming_and_a_heartbeat_sets_it_back(rig):
+def others_registered(rig, count: int) -> None:
+    """Register `count` other replicas with the rig's shard, or unregister them (count 0)."""
+    state = rig.shard.state
+    for replica_id in [r["replica_id"] for r in state.replicas() if r["replica_id"] != "a"]:
+        state.unregister(replica_id)
+    for i in range(count):
+        state.register(info(f"other{i}"))
+
+
+def test_the_shard_paces_a_busy_replica_by_how_many_replicas_it_serves(rig):
+    others_registered(rig, 249)  # 250 replicas: one call a second each
+    assert rig.shard.state.publish_interval() == pytest.approx(1.0)
     rig.step(HEARTBEAT_INTERVAL_S)
-    rig.shard.answer()  # a heartbeat: the interval is at its least
-    rig.step(0.1)
+    rig.shard.answer()
+    rig.step(0.0)  # the heartbeat's answer brings the interval
+    assert rig.publisher.flush_interval == pytest.approx(1.0)
+    rig.step(1.5)
     rig.store((key(1), 1, 1))
     rig.step(0.0)
-    assert [m for m, _ in rig.sent()] == ["publish"]  # a lone store goes at once
+    assert [m for m, _ in rig.sent()] == ["publish"]  # after a quiet interval a change goes at once
     rig.shard.answer()
 
     sent = publish_times(rig, 0.01, 10.0)  # a busy replica: a store every 10 ms
     gaps = [b[0] - a[0] for a, b in zip(sent, sent[1:])]
-    assert gaps[0] <= 0.02 + 1e-9  # at first, every store or two goes on its own...
-    assert all(b >= a - 1e-9 for a, b in zip(gaps, gaps[1:]))  # ...then in ever fewer calls...
-    assert gaps[-3:] == [pytest.approx(MAX_FLUSH_INTERVAL_S, abs=0.011)] * 3  # ...one per interval at most
-    assert all(n > 0 for _, n in sent)  # each publish carried changes: it was the heartbeat too
-    assert sum(n for _, n in sent) <= 1000 and len(sent) < 30
+    assert gaps == [pytest.approx(1.0, abs=0.011)] * len(gaps)  # one call per interval...
+    assert all(n > 0 for _, n in sent)  # ...each carrying changes: each was the heartbeat too
+    assert sum(n for _, n in sent) >= 990 and 9 <= len(sent) <= 11
 
-    rig.step(MAX_FLUSH_INTERVAL_S)  # the last changes go
+    others_registered(rig, 0)  # the others left: the shard asks for its shortest interval
+    rig.step(1.0)
+    rig.shard.answer()
+    rig.step(0.0)
+    assert rig.publisher.flush_interval == pytest.approx(FLUSH_INTERVAL_S + 0.001)  # 1/250 s for one replica
+    sent = publish_times(rig, 0.01, 1.0)
+    assert len(sent) >= 90  # every store goes on its own again, within the interval
+    rig.step(1.0)
     rig.shard.answer()
     rig.step(0.0)
     assert rig.shard.calls == []  # nothing pending
     rig.step(HEARTBEAT_INTERVAL_S)
     assert [(m, args[2]) for m, args in rig.sent()] == [("publish", ([], []))]  # idle: a heartbeat
+
+
+def test_a_paced_replica_heartbeats_no_more_often_than_its_interval(rig):
+    others_registered(rig, 499)  # 500 replicas: the longest interval
+    rig.step(HEARTBEAT_INTERVAL_S)
     rig.shard.answer()
-    rig.step(0.2)
-    rig.store((key(2), 2, 2))
     rig.step(0.0)
-    assert [args[2][0] for _, args in rig.sent()] == [[(key(2), 2, 2)]]  # idle again: at once
-    rig.shard.answer()
-    rig.step(0.0)
-    rig.store((key(3), 3, 3))
-    assert rig.step(0.0) == pytest.approx(rig.now + 2 * FLUSH_INTERVAL_S)  # the interval starts small again
+    assert rig.publisher.flush_interval == MAX_FLUSH_INTERVAL_S
+    rig.step(HEARTBEAT_INTERVAL_S)
+    assert rig.shard.calls == []  # a heartbeat interval is not enough...
+    rig.step(MAX_FLUSH_INTERVAL_S - HEARTBEAT_INTERVAL_S)
+    assert [(m, args[2]) for m, args in rig.sent()] == [("publish", ([], []))]  # ...the shard's is
 
 
 def test_a_full_batch_goes_without_waiting_for_the_interval(rig, monkeypatch):
     import distkv.directory
 
-    publish_times(rig, 0.01, 5.0)  # busy: the interval has grown to its longest
-    rig.step(MAX_FLUSH_INTERVAL_S)  # the last changes go
+    others_registered(rig, 499)
+    rig.step(HEARTBEAT_INTERVAL_S)
     rig.shard.answer()
-    rig.step(0.0)  # nothing in flight, nothing pending
-    assert rig.shard.calls == [] and rig.publisher.flush_interval == MAX_FLUSH_INTERVAL_S
+    rig.step(0.0)
+    assert rig.publisher.flush_interval == MAX_FLUSH_INTERVAL_S
     monkeypatch.setattr(distkv.directory, "MAX_BATCH_KEYS", 3)
     rig.store(*[(key(i), i, 1) for i in range(7)])
     sizes = []
