@@ -77,7 +77,9 @@ class ClusterOffloadingManager(OffloadingManager):
       DirectoryLink's thread.
     Nothing here waits on the network: the view is an in-process dict, promotions and
     publishing run on background threads, and their results are applied here, on the
-    scheduler's thread, at the next call.
+    scheduler's thread, at the next call. Where the link is queried, a key missing from
+    both the pool and the view is asked about (`DirectoryLink.ask`) and answers RETRY until
+    the answer is in the view; `end_step` has the step's questions sent at once.
 
     A promotion's reserved row belongs to the Promoter until it reports the promotion.
     One it has not reported OVERDUE_GRACE_S after its deadline, and every one in flight
@@ -193,6 +195,11 @@ class ClusterOffloadingManager(OffloadingManager):
         if key not in self._view:  # `in` costs no call, and this is the common miss
             if type(key) is not bytes or not MIN_KEY_BYTES <= len(key) <= MAX_KEY_BYTES:
                 raise ValueError(key_problem(key))
+            link = self.link
+            if link.queried and link.ask(key, self.block_shard(key, req_context) if self._num_shards > 1 else 0):
+                self.lookups_retry += 1.0
+                self._defer(req_context)
+                return RETRY
             self.lookups_miss += 1.0
             return MISS
         holders = self._view.get(key)  # None if it left the view since
@@ -282,6 +289,16 @@ class ClusterOffloadingManager(OffloadingManager):
                 self.link.info, replica_id=epoch_replica_id(self._replica_name, self.cache_epoch), cache_epoch=self.cache_epoch
             )
         )
+
+    def expect_step_ends(self) -> None:
+        """The owner calls end_step at the end of every scheduler step from now on, so that
+        the Directory is asked about a step's misses then, in one call per shard."""
+        self.link.expect_step_ends()
+
+    def end_step(self) -> None:
+        """The scheduler's step ended (its last call): the Directory is asked about the
+        step's misses now, one call per shard, instead of after a delay."""
+        self.link.end_step()
 
     def request_finished(self, req_context: ReqContext) -> None:
         """The request ended: the blocks it found are no longer protected for it."""

@@ -16,6 +16,8 @@ from typing import Any
 POLICIES = ("lru", "arc")
 STORE_POLICIES = ("always", "dedupe")
 TRANSPORTS = ("auto", "nixl", "object_store")
+# how a replica learns what others hold (distkv.directory.DirectoryLink's `view`)
+DIRECTORY_VIEWS = ("auto", "push", "query")
 
 # Keys that vLLM's OffloadingConnector itself reads from the same dict.
 _CONNECTOR_KEYS = frozenset({"spec_name", "spec_module_path", "block_size"})
@@ -42,6 +44,9 @@ class DistkvConfig:
     # how blocks come from other nodes: "object_store", "nixl" (one-sided reads), or "auto"
     # (NIXL toward a node where it measured faster than the object store)
     transport: str = "auto"
+    # how the replica learns what others hold: "push" (follow every shard's changes), "query"
+    # (ask on a miss), or "auto" (push while the namespace is small, query beyond)
+    directory_view: str = "auto"
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any]) -> "DistkvConfig":
@@ -89,6 +94,11 @@ class DistkvConfig:
         if "transport" in values and values["transport"] not in TRANSPORTS:
             raise ValueError(
                 f"kv_connector_extra_config 'transport'={values['transport']!r} must be one of {list(TRANSPORTS)}"
+            )
+        if "directory_view" in values and values["directory_view"] not in DIRECTORY_VIEWS:
+            raise ValueError(
+                f"kv_connector_extra_config 'directory_view'={values['directory_view']!r} "
+                f"must be one of {list(DIRECTORY_VIEWS)}"
             )
         return cls(**values)
 

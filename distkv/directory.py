@@ -9,6 +9,8 @@ ever waits on the network. Its parts, each a plain class stepped by the link's t
 - a `Publisher` per shard: register, batched publishes, retries, and the re-register
   with everything held when the shard forgets the replica;
 - a `Follower` per shard: the long poll of the shard's changes into its `ShardView`;
+- a `Querier` per shard, instead of the followers where the link is queried: batched
+  questions about the keys the replica missed, whose answers stand in for the view;
 - the shards themselves as `ShardClient`s, handed in by whoever wires the cluster
   together (`distkv.spec.join_cluster` hands in `ray_actors.directory`'s actors). No
   Ray here: a test hands in clients whose futures it resolves itself.
@@ -29,6 +31,7 @@ from concurrent.futures import Future
 from typing import Protocol
 
 from distkv.abstract import OffloadKey
+from distkv.config import DIRECTORY_VIEWS
 from distkv.directory_state import (
     FLUSH_INTERVAL_S,
     ChangeLog,
@@ -52,9 +55,9 @@ from distkv.errors import ErrorLog
 from distkv.metrics import MAX_OBSERVATIONS
 
 __all__ = [
-    "FLUSH_INTERVAL_S", "ChangeLog", "Changes", "Cursor", "DirectoryLink", "DirectoryState", "Follower", "Holder", "HolderFields",
-    "InboxKind", "LogEntry", "Publisher", "ReadyBlock", "ReplicaInfo", "ShardClient", "ShardView", "StoredEntry",
-    "check_namespace", "check_stored", "pack", "shard_of", "unpack",
+    "FLUSH_INTERVAL_S", "ChangeLog", "Changes", "Cursor", "DIRECTORY_VIEWS", "DirectoryLink", "DirectoryState", "Follower",
+    "Holder", "HolderFields", "InboxKind", "LogEntry", "Publisher", "Querier", "ReadyBlock", "ReplicaInfo", "ShardClient",
+    "ShardView", "StoredEntry", "check_namespace", "check_stored", "pack", "shard_of", "unpack",
 ]
 
 logger = logging.getLogger(__name__)
@@ -90,7 +93,7 @@ class ShardClient(Protocol):
         """Future of the packed `Changes` after `cursor`, once there is news for `follower` or after `timeout_s`."""
 
     def query(self, keys: Sequence[OffloadKey], namespace: str) -> Future:
-        """Future of the packed holders of each key."""
+        """Future of the packed (holders of each key, ReplicaInfo of each replica they name)."""
 
     def cancel(self, future: Future) -> None:
         """Best effort: stop the call `future` answers (a long poll no one waits for any more)."""
@@ -137,6 +140,26 @@ MAX_PENDING_KEYS = 1 << 16
 MAX_BATCH_KEYS = 1 << 12
 MAX_BACKOFF_S = 2.0
 CLOSE_TIMEOUT_S = 2.0
+
+# A link of view "auto" (the `directory_view` setting) follows while the namespace has at
+# most this many replicas, and queries from then on (docs/scale.md).
+AUTO_PUSH_MAX_REPLICAS = 8
+# A queried link's misses wait this long for the rest of their scheduler step's misses
+# before they are asked, unless the owner says when its steps end (`expect_step_ends`):
+# then they are asked at the step's end, or this much later at most if a step never ends.
+QUERY_DELAY_S = 0.002
+QUERY_STEP_TIMEOUT_S = 0.05
+# A query not answered by then is given up and its keys answered as misses: a restarting
+# shard holds calls until it is back.
+QUERY_TIMEOUT_S = 1.0
+# How long an answer stands: longer than a scheduler step, so that the step after the one
+# that asked finds it, and short, so that a miss does not hide a block stored later for long.
+ANSWER_TTL_S = 2.0
+# Bounds of a queried link's memory: keys asked and not yet answered (a lookup past it is a
+# miss), answers kept (the oldest go first), and replicas' infos kept (the oldest go first).
+MAX_ASKED_KEYS = 1 << 16
+MAX_ANSWERS = 1 << 18
+MAX_REPLICA_INFOS = 1 << 12
 
 
 def _backoff(failures: int) -> float:
@@ -471,6 +494,100 @@ class Follower:
         self.poll_at = now + _backoff(self.poll_failures)
 
 
+class Querier:
+    """Asks one shard about keys the replica missed: many keys a call, one call in flight.
+
+    `add` queues a key; `step` sends every key queued (MAX_BATCH_KEYS at most a call) once
+    `flush` says the scheduler's step ended, or once the oldest has waited `delay_s`, and
+    only when no call is in flight. A key is sent once: the link adds only keys it has not
+    asked yet. Every call ends in `answered(keys, holders of each key, infos of the
+    replicas named)`, or in `answered(keys, None, {})` when it failed or was not answered
+    within QUERY_TIMEOUT_S: the link then answers its keys as misses, never waits for them.
+
+    `step(now, ...)` does all the calling and returns when it next needs a step; `wake`
+    runs when a call finishes. Not thread-safe: one thread (the link's) steps it.
+    """
+
+    def __init__(
+        self,
+        index: int,
+        client: ShardClient,
+        namespace: str,
+        *,
+        wake: Callable[[], None],
+        errors: ErrorLog,
+        answered: Callable[[list[OffloadKey], list | None, dict[str, ReplicaInfo], float], None],
+    ) -> None:
+        self.index = index
+        self.client = client
+        self.namespace = namespace
+        self._wake = wake
+        self._errors = errors
+        self._answered = answered
+        self.waiting: list[OffloadKey] = []
+        self.due_at = float("inf")  # when the keys waiting go at the latest
+        self.asking: Future | None = None
+        self.asked: list[OffloadKey] = []  # the keys of `asking`
+        self.give_up_at = float("inf")
+
+    def add(self, key: OffloadKey, now: float, delay_s: float) -> None:
+        """Queue `key`, to be asked within `delay_s`."""
+        if not self.waiting:
+            self.due_at = now + delay_s
+        self.waiting.append(key)
+
+    def step(self, now: float, flush: bool) -> float:
+        """Collect the answer in flight and send what waits when due; when to step again at the latest."""
+        future = self.asking
+        if future is not None:
+            if future.done():
+                self.asking = None
+                self._done(future, now)
+            elif now >= self.give_up_at:
+                self.asking = None
+                self._failed(TimeoutError(f"no answer within {QUERY_TIMEOUT_S} s"), now)
+        if flush and self.waiting:
+            self.due_at = now
+        if self.asking is None and self.waiting:
+            if now < self.due_at:
+                return self.due_at
+            self._send(now)
+        return self.give_up_at if self.asking is not None else self.due_at
+
+    def _send(self, now: float) -> None:
+        waiting = self.waiting
+        if len(waiting) > MAX_BATCH_KEYS:
+            self.asked, self.waiting = waiting[:MAX_BATCH_KEYS], waiting[MAX_BATCH_KEYS:]
+        else:
+            self.asked, self.waiting = waiting, []
+            self.due_at = float("inf")
+        try:
+            future = self.client.query(self.asked, self.namespace)
+        except Exception as e:
+            self._failed(e, now)
+            return
+        self.asking = future
+        self.give_up_at = now + QUERY_TIMEOUT_S
+        wake = self._wake
+        future.add_done_callback(lambda _: wake())
+
+    def _done(self, future: Future, now: float) -> None:
+        try:
+            holders, infos = unpack(future.result())
+        except Exception as e:
+            self._failed(e, now)
+            return
+        asked, self.asked = self.asked, []
+        self.give_up_at = float("inf")
+        self._answered(asked, holders, infos, now)
+
+    def _failed(self, error: Exception, now: float) -> None:
+        self._errors.add("directory_query", f"shard {self.index}: {error}")
+        asked, self.asked = self.asked, []
+        self.give_up_at = float("inf")
+        self._answered(asked, None, {}, now)
+
+
 class DirectoryLink:
     """One replica's connection to the Directory of a cache namespace.
 
@@ -481,17 +598,27 @@ class DirectoryLink:
     touching the network. When a shard restarts (new epoch) or no longer knows this
     replica, the link registers again and re-publishes everything this replica holds.
 
+    A queried link (`view` "query", or "auto" once a view shows more than
+    AUTO_PUSH_MAX_REPLICAS replicas) follows nothing: the keys the replica misses are
+    `ask`ed, each of the shard its manager places it on, batched into one call per shard
+    (a `Querier` each) at the end of the scheduler's step (`end_step`) or QUERY_DELAY_S
+    after the first, and the answers stand in the same view for ANSWER_TTL_S, with the
+    infos of the replicas they name for `replica`. It publishes as a following link does:
+    the two kinds share one namespace.
+
     `shards`: the namespace's shards, in order. A block goes to the shard its manager
     placed it on (`ready`, `promoted`, `dropped`: its block's `shard`), or, from `stored` and
     `removed`, to its own key's (`shard_of(key, len(shards))`).
     Usage: `link = DirectoryLink(ns, info, shards); link.start(); ...; link.close()`.
     """
 
-    def __init__(self, namespace: str, info: ReplicaInfo, shards: Sequence[ShardClient]) -> None:
+    def __init__(self, namespace: str, info: ReplicaInfo, shards: Sequence[ShardClient], view: str = "push") -> None:
         if not isinstance(info, ReplicaInfo):
             raise ValueError(f"DirectoryLink: info {info!r} is not a ReplicaInfo")
         if not shards:
             raise ValueError("DirectoryLink: shards is empty")
+        if view not in DIRECTORY_VIEWS:
+            raise ValueError(f"DirectoryLink: view={view!r} must be one of {list(DIRECTORY_VIEWS)}")
         self.info = info
         self.namespace = namespace
         self.num_shards = len(shards)
@@ -518,6 +645,26 @@ class DirectoryLink:
             )
             for i, client in enumerate(shards)
         ]
+        # Querying: whether lookups `ask`, set once for good (a following link may switch);
+        # the keys asked and not yet answered, those of them not yet handed to a querier,
+        # when the answers expire (oldest first), and the infos the answers brought.
+        self.queried = False
+        self._switches = view == "auto"
+        self._asked: set[OffloadKey] = set()
+        self._wanted: collections.deque[OffloadKey] = collections.deque()
+        self._expiry: collections.deque[tuple[float, list[OffloadKey]]] = collections.deque()
+        self._infos: dict[str, ReplicaInfo] = {}
+        # whether the owner reports its steps' ends, how many it did (`end_step`), and how
+        # many of them the thread has seen
+        self._step_ends = False
+        self._steps_ended = 0
+        self._steps_seen = 0
+        self._queriers = [
+            Querier(i, client, namespace, wake=self._wake.set, errors=self.errors, answered=self._answered)
+            for i, client in enumerate(shards)
+        ]
+        if view == "query":
+            self._query_from_now()
         # (kind, items), as the InboxKind says
         self._inbox: collections.deque[tuple[InboxKind, Sequence]] = collections.deque()
         # Whether the thread sleeps longer than FLUSH_INTERVAL_S, so that `stored` and
@@ -618,12 +765,49 @@ class DirectoryLink:
         return self._holders.get(key, ())
 
     def replica(self, replica_id: str) -> ReplicaInfo | None:
-        """A registered replica's info, from the local view; None if unknown."""
+        """A registered replica's info, from the local view or the answers; None if unknown."""
+        info = self._infos.get(replica_id)
+        if info is not None:
+            return info
         for view in self._views:
             info = view.replicas.get(replica_id)
             if info is not None:
                 return info
         return None
+
+    def ask(self, key: OffloadKey, shard: int) -> bool:
+        """A queried link's lookup missed `key`, which the view does not hold: have
+        `shard` (where the replica's manager places the key) asked about it, and answer in
+        the view. False, and nothing asked, when
+        MAX_ASKED_KEYS keys are waiting already (the caller answers a miss). A key asked
+        and not yet answered is not asked again.
+
+        On the scheduler's hot path: never blocks, no validation (callers pass keys the
+        local manager has already checked).
+        """
+        asked = self._asked
+        if key in asked:
+            return True
+        if len(asked) >= MAX_ASKED_KEYS:
+            return False
+        asked.add(key)
+        self._wanted.append((key, shard))
+        # where the owner ends its steps, `end_step` wakes the thread once a step instead
+        if not self._step_ends and self._listening and not self._wake.is_set():
+            self._wake.set()
+        return True
+
+    def expect_step_ends(self) -> None:
+        """The owner calls `end_step` at the end of every scheduler step from now on: the
+        keys a step missed wait for it (QUERY_STEP_TIMEOUT_S at most), not QUERY_DELAY_S."""
+        self._step_ends = True
+
+    def end_step(self) -> None:
+        """The scheduler's step ended: ask about the keys it missed now, one call per shard.
+        Never blocks."""
+        self._steps_ended += 1
+        if self._asked and not self._wake.is_set():
+            self._wake.set()
 
     def query(self, keys: Sequence[OffloadKey], timeout_s: float | None = 10.0) -> list[tuple[Holder, ...]]:
         """Ask the shards for the holders of each key (this replica included). Blocks: for
@@ -638,7 +822,7 @@ class DirectoryLink:
             raise TimeoutError(f"DirectoryLink.query: {len(late)} shard(s) did not answer within {timeout_s} s")
         result: list[tuple[Holder, ...]] = [()] * len(keys)
         for future in futures:
-            for i, holders in enumerate(unpack(future.result())):
+            for i, holders in enumerate(unpack(future.result())[0]):
                 if holders:
                     result[i] += tuple(map(Holder._make, holders))
         return result
@@ -649,10 +833,71 @@ class DirectoryLink:
         """One pass of the link's thread, at time.monotonic() `now`: take the inbox, step
         every shard's publisher and follower; when the next pass is due at the latest."""
         self._take_inbox(now)
-        due = min(min(p.step(now), f.step(now)) for p, f in zip(self._publishers, self._followers))
+        due = min(p.step(now) for p in self._publishers)
+        for follower in self._followers:
+            due = min(due, follower.step(now))
         if not self._synced.is_set() and all(f.synced for f in self._followers):
             self._synced.set()
+        if self._switches and any(len(view.replicas) > AUTO_PUSH_MAX_REPLICAS for view in self._views):
+            self._query_from_now()
+        if self.queried:
+            due = min(due, self._step_queries(now))
         return due
+
+    def _step_queries(self, now: float) -> float:
+        """Hand the keys asked to their shards' queriers, step them, expire old answers."""
+        steps_ended = self._steps_ended  # before the keys: those asked in the step are all in
+        flush = steps_ended != self._steps_seen
+        self._steps_seen = steps_ended
+        delay_s = QUERY_STEP_TIMEOUT_S if self._step_ends else QUERY_DELAY_S
+        wanted = self._wanted
+        queriers = self._queriers
+        while wanted:
+            key, shard = wanted.popleft()
+            queriers[shard].add(key, now, delay_s)
+        due = min(q.step(now, flush) for q in queriers)
+        expiry = self._expiry
+        answers = self._holders
+        while expiry and (expiry[0][0] <= now or len(answers) > MAX_ANSWERS):
+            for key in expiry.popleft()[1]:
+                answers.pop(key, None)
+        if expiry:
+            due = min(due, expiry[0][0])
+        return due
+
+    def _answered(self, keys: list[OffloadKey], holders: list | None, infos: dict[str, ReplicaInfo], now: float) -> None:
+        """A querier's answer: the holders of each key (None: the call failed, all misses)."""
+        answers = self._holders
+        if holders is None:
+            for key in keys:
+                answers[key] = ()
+        else:
+            known = self._infos
+            for replica_id, info in infos.items():
+                if replica_id not in known:
+                    if len(known) >= MAX_REPLICA_INFOS:
+                        del known[next(iter(known))]
+                    known[replica_id] = info
+            own = self.info.replica_id
+            for key, key_holders in zip(keys, holders):
+                answers[key] = tuple(Holder._make(h) for h in key_holders if h[0] != own)
+        self._expiry.append((now + ANSWER_TTL_S, keys))
+        asked = self._asked
+        for key in keys:  # after the answer is in: a lookup between the two asks nothing again
+            asked.discard(key)
+
+    def _query_from_now(self) -> None:
+        """Stop following and query from now on, for good: the view's holders give way to
+        answers, its replicas' infos stay for the promotions that started from it."""
+        for follower in self._followers:
+            follower.cancel()
+        for view in self._views:
+            self._infos.update(view.replicas)
+        self._followers = []
+        self._views = []
+        self._switches = False
+        self.queried = True
+        self._holders.clear()
 
     def _run(self) -> None:
         timeout = 0.0
@@ -666,15 +911,15 @@ class DirectoryLink:
             timeout = max(0.0, due - time.monotonic())
             if timeout > FLUSH_INTERVAL_S:
                 self._listening = True
-                if self._inbox:  # queued before the flag was up: no one woke us for it
+                if self._inbox or self._wanted:  # queued before the flag was up: no one woke us for it
                     timeout = 0.0
         self._shutdown()
 
     def _take_inbox(self, now: float) -> None:
         inbox = self._inbox
         publishers = self._publishers
-        num_shards = self.num_shards
         only_promoted = True
+        num_shards = self.num_shards
         while inbox:
             kind, items = inbox.popleft()
             only_promoted = only_promoted and kind is InboxKind.PROMOTED
@@ -700,8 +945,9 @@ class DirectoryLink:
     def _switch_info(self, info: ReplicaInfo, now: float) -> None:
         """Unregister the old id and register `info`, with what the replica holds now, on every shard."""
         self.info = info
-        for view, publisher in zip(self._views, self._publishers):
+        for view in self._views:
             view.exclude = info.replica_id
+        for publisher in self._publishers:
             publisher.switch_info(info, now)
 
     def _shutdown(self) -> None:
@@ -709,8 +955,9 @@ class DirectoryLink:
         in_flight = [p.publishing for p in self._publishers if p.publishing is not None]
         concurrent.futures.wait(in_flight, timeout=CLOSE_TIMEOUT_S / 2)
         futures = []
-        for publisher, follower in zip(self._publishers, self._followers):
+        for follower in self._followers:
             follower.cancel()
+        for publisher in self._publishers:
             future = publisher.unregister()
             if future is not None:
                 futures.append(future)

@@ -474,6 +474,20 @@ class DirectoryState:
         get = self._holders.get
         return [get(key, ()) for key in keys]
 
+    def answer(self, keys: Sequence[OffloadKey]) -> tuple[list[tuple[HolderFields, ...]], dict[str, ReplicaInfo]]:
+        """What a queried link asks: `query`'s holders of each key, and the ReplicaInfo of
+        every replica they name, so that the asker can read those replicas' pools without
+        following the shard's replica set."""
+        holders = self.query(keys)
+        replicas = self._replicas
+        named: dict[str, ReplicaInfo] = {}
+        for key_holders in holders:
+            for holder in key_holders:
+                replica_id = holder[0]
+                if replica_id not in named:
+                    named[replica_id] = replicas[replica_id].info
+        return holders, named
+
     def drop_node(self, node_id: str) -> list[str]:
         """Drop every replica on a node (it died) with its holders; the ids of those dropped."""
         dropped = [r for r in self._replicas.values() if r.info.node_id == node_id]

@@ -25,6 +25,7 @@ ERROR_KINDS = (
     "load_failed",
     "directory_publish",  # retried
     "directory_poll",  # retried
+    "directory_query",  # its keys are misses until the answers expire
 )
 
 

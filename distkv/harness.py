@@ -110,6 +110,9 @@ class Replica:
             self.worker.register_handler(src, dst, handler)
         self.compute = compute or self._synthetic_compute
         self.step_s = step_s
+        self._end_step = getattr(self.manager, "end_step", None)  # the cluster manager's; the local one has none
+        if self._end_step is not None:
+            self.manager.expect_step_ends()
         self._free_gpu = list(range(num_gpu_blocks))
         self._jobs = itertools.count()
         self._requests = itertools.count()
@@ -124,6 +127,8 @@ class Replica:
             ctx.set_offload_key_position(key, (i + 1) * self.block_tokens)
         retries = 0
         while (hits := self._matched_blocks(keys, ctx)) is None:
+            if self._end_step is not None:  # the step ends as vLLM's does: on_schedule_end
+                self._end_step()
             retries += 1
             if retries > max_retries:
                 hits = 0

@@ -92,6 +92,30 @@ def node_transports(mode: str, pool: HostPool, object_store: "Transport") -> "No
     return NodeTransports(object_store, nixl, mode)
 
 
+def joining_view(view: str, shard: Any) -> str:
+    """The `view` a joining replica's DirectoryLink starts with, for `directory_view` = view.
+
+    "auto" queries at once when the namespace has more than AUTO_PUSH_MAX_REPLICAS replicas
+    registered already (`shard` is one of its shard actors: every replica registers with
+    each), or when the Directory does not say: following would start with a snapshot of every
+    block, the cost that querying avoids at scale, while a small namespace that queries only
+    waits one round trip on a miss. Else it follows, and switches to querying for good once
+    its view shows the namespace grew past the bound.
+    """
+    if view != "auto":
+        return view
+    import ray
+
+    from distkv.directory import AUTO_PUSH_MAX_REPLICAS
+
+    try:
+        registered = ray.get(shard.stats.remote(), timeout=DIRECTORY_SYNC_TIMEOUT_S)["replicas"]
+    except Exception as e:
+        logger.warning("distkv: the Directory did not say how many replicas it has (%s): querying it on misses", e)
+        return "query"
+    return "query" if registered >= AUTO_PUSH_MAX_REPLICAS else "auto"
+
+
 def join_cluster(plan: ReplicaPlan, pool: HostPool, local: LocalOffloadingManager) -> "ClusterOffloadingManager":
     """The replica's manager in its Ray cluster.
 
@@ -141,7 +165,8 @@ def join_cluster(plan: ReplicaPlan, pool: HostPool, local: LocalOffloadingManage
         layout.slot_bytes,
         endpoint=transport.endpoint,
     )
-    link = DirectoryLink(plan.namespace, info, shard_clients(plan.namespace, config.directory_shards))
+    shards = shard_clients(plan.namespace, config.directory_shards)
+    link = DirectoryLink(plan.namespace, info, shards, joining_view(config.directory_view, shards[0].actor))
     link.start()
     if not link.wait_synced(DIRECTORY_SYNC_TIMEOUT_S):
         logger.warning(

@@ -250,8 +250,10 @@ class DistkvOffloadingManager(OffloadingManager):
             used.keys.clear()
 
     def on_schedule_end(self, context: ScheduleEndContext) -> None:
-        # Applies finished promotions and keeps the event backlog bounded even when
-        # vLLM never drains events (kv events off).
+        # The step's misses go to the Directory now, one call per shard. Then: applies
+        # finished promotions and keeps the event backlog bounded even when vLLM never
+        # drains events (kv events off).
+        self.cluster.end_step()
         self._collect_events()
 
     def has_pending_work(self) -> bool:
@@ -403,6 +405,7 @@ class RayOffloadingSpec(OffloadingSpec):
                 self._check_workers_attached(pool)
                 local = LocalOffloadingManager(plan.layout.num_rows, policy=plan.config.eviction_policy)
                 cluster = join_cluster(plan, pool, local)
+                cluster.expect_step_ends()  # DistkvOffloadingManager.on_schedule_end
             except BaseException:
                 pool.close()
                 raise

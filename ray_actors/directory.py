@@ -117,9 +117,10 @@ class DirectoryShard:
         return known
 
     async def query(self, keys: Sequence[OffloadKey], namespace: str) -> bytes:
-        """The packed holders of each key; see `DirectoryState.query`."""
+        """The packed (holders of each key, ReplicaInfo of each replica they name); see
+        `DirectoryState.answer`."""
         self._check(namespace)
-        return pack(self._state.query(keys))
+        return pack(self._state.answer(keys))
 
     @ray.method(concurrency_group=FOLLOWERS_GROUP)
     async def changes(self, cursor: Cursor | None, timeout_s: float, namespace: str, follower: str | None = None) -> bytes:

@@ -17,6 +17,7 @@ class FakeLink:
 
     namespace = "ns0"
     num_shards = 1
+    queried = False  # the view holds everything: nothing to ask
 
     def __init__(self, directory: FakeDirectory, info: ReplicaInfo):
         self.directory = directory
@@ -63,6 +64,12 @@ class FakeLink:
         del self.directory.infos[self.info.replica_id]
         self.info = info
         self.directory.infos[info.replica_id] = info
+
+    def expect_step_ends(self):
+        pass
+
+    def end_step(self):
+        pass
 
     def replica(self, replica_id):
         return self.directory.infos.get(replica_id)

@@ -81,7 +81,7 @@ class FakeShard:
         return self.state.packed_changes(cursor)
 
     def _query(self, keys, namespace):
-        return pack(self.state.query(keys))
+        return pack(self.state.answer(keys))
 
     def held_by(self, replica_id: str) -> dict[bytes, tuple[int, int]]:
         entries = [e for e in self.state.changes(None).entries if e[0] == replica_id]

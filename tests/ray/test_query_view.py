@@ -1,0 +1,127 @@
+"""Replicas that query the Directory on a miss instead of following its pushed view, alone
+and beside replicas that follow it, through the real shards and spec on one local Ray."""
+
+import time
+import uuid
+
+import numpy as np
+import pytest
+import ray
+
+from distkv.directory_state import shard_of
+from distkv.harness import Replica, block_keys
+from distkv.spec import ClusterOffloadingSpec
+from ray_actors.directory import get_or_create_shards, kill_shards
+
+BLOCK_TOKENS = 16
+PAGE_BYTES = 32 << 10
+SHARDS = 2
+# A generous bound for what is not under test: a store reaching the Directory.
+SETUP_TIMEOUT_S = 60.0
+
+
+def make_replica(salt: str, view: str) -> Replica:
+    spec = ClusterOffloadingSpec.from_layout(
+        {
+            "cpu_bytes_to_use": 128 * 2 * PAGE_BYTES,
+            "tenant_salt": salt,
+            "directory_shards": SHARDS,
+            "directory_view": view,
+        },
+        gpu_block_sizes=[BLOCK_TOKENS],
+        group_page_bytes=[2 * PAGE_BYTES],
+        engine_id=f"r{uuid.uuid4().hex[:8]}",
+    )
+    return Replica(spec, num_gpu_blocks=64, page_bytes=PAGE_BYTES, step_s=0.002)
+
+
+@pytest.fixture
+def replicas(ray_session):
+    made: list[Replica] = []
+
+    def make(*args):
+        made.append(make_replica(*args))
+        return made[-1]
+
+    yield make
+    namespaces = {r.spec.namespace for r in made}
+    for r in made:
+        r.shutdown()
+    for ns in namespaces:
+        kill_shards(ns)
+
+
+def prompt(seed: int, blocks: int = 32) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 50_000, blocks * BLOCK_TOKENS)
+
+
+def stored_in_directory(replica: Replica, keys: list[bytes]) -> None:
+    """Wait until the Directory holds `keys` (not under test: how soon a publish lands)."""
+    deadline = time.monotonic() + SETUP_TIMEOUT_S
+    while not all(replica.manager.link.query(keys, timeout_s=SETUP_TIMEOUT_S)):
+        assert time.monotonic() < deadline, "the stores never reached the Directory"
+        time.sleep(0.01)
+
+
+def shard_queries(namespace: str) -> list[int]:
+    return [s["queries"] for s in ray.get([shard.stats.remote() for shard in get_or_create_shards(namespace, SHARDS)])]
+
+
+def test_a_queried_replica_promotes_a_prefix_bit_exact_with_one_call_per_shard(replicas):
+    salt = uuid.uuid4().hex
+    a, b = replicas(salt, "query"), replicas(salt, "query")
+    assert b.manager.link.queried and not b.manager.link._followers  # no pushed view
+    tokens = prompt(1)
+    assert a.serve(tokens).stored_blocks == 32
+    keys = block_keys(tokens, BLOCK_TOKENS)
+    stored_in_directory(a, keys)
+
+    before = shard_queries(b.spec.namespace)
+    result = b.serve(tokens)
+    after = shard_queries(b.spec.namespace)
+    assert result.hit_blocks == 32
+    assert result.mismatches == 0 and result.load_failures == 0
+    # the prefix is placed on its first block's shard: the request cost one call, there
+    calls = [n - m for n, m in zip(after, before)]
+    root_shard = shard_of(keys[0], SHARDS)
+    assert calls == [int(shard == root_shard) for shard in range(SHARDS)], calls
+
+
+def test_pushed_and_queried_replicas_share_both_ways(replicas):
+    salt = uuid.uuid4().hex
+    pushed, queried = replicas(salt, "push"), replicas(salt, "query")
+    assert not pushed.manager.link.queried and queried.manager.link.queried
+
+    tokens = prompt(2)  # the pushed replica's, found by the queried one
+    assert pushed.serve(tokens).stored_blocks == 32
+    keys = block_keys(tokens, BLOCK_TOKENS)
+    stored_in_directory(pushed, keys)
+    result = queried.serve(tokens)
+    assert (result.hit_blocks, result.mismatches, result.load_failures) == (32, 0, 0)
+
+    tokens = prompt(3)  # the queried replica's, in the pushed replica's view
+    assert queried.serve(tokens).stored_blocks == 32
+    keys = block_keys(tokens, BLOCK_TOKENS)
+    deadline = time.monotonic() + SETUP_TIMEOUT_S
+    while not all(pushed.manager.link.holders(k) for k in keys):
+        assert time.monotonic() < deadline, "the pushed view never showed the queried replica's blocks"
+        time.sleep(0.005)
+    result = pushed.serve(tokens)
+    assert (result.hit_blocks, result.mismatches, result.load_failures) == (32, 0, 0)
+
+
+def test_auto_follows_a_small_namespace_and_queries_once_it_grows_past_the_bound(replicas, monkeypatch):
+    monkeypatch.setattr("distkv.directory.AUTO_PUSH_MAX_REPLICAS", 1)
+    salt = uuid.uuid4().hex
+    first = replicas(salt, "auto")
+    assert not first.manager.link.queried  # alone in its namespace: it follows
+    second = replicas(salt, "auto")
+    assert second.manager.link.queried  # one replica registered already: the bound
+    deadline = time.monotonic() + SETUP_TIMEOUT_S
+    while not first.manager.link.queried:  # its view shows two replicas now
+        assert time.monotonic() < deadline, "the first replica never switched to queries"
+        time.sleep(0.005)
+    tokens = prompt(4)
+    assert first.serve(tokens).stored_blocks == 32
+    stored_in_directory(first, block_keys(tokens, BLOCK_TOKENS))
+    assert second.serve(tokens).hit_blocks == 32
