@@ -936,6 +936,7 @@ FLEET_FLUSH_S = 2.0
 QUERY_CALLS_PER_REQUEST = 1  # a request's prefix on one shard
 SHARD_CORES = 0.5
 SHARD_BYTES = 4 << 30
+NODE_REPLICAS = 8  # replicas of one node, when the node aggregates their publishes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -959,21 +960,26 @@ def model_cores(calls_per_s: float, events_per_s: float, keys_queried_per_s: flo
     return shards * inputs.c_idle + calls_per_s * inputs.c_call + events_per_s * inputs.c_pub + keys_queried_per_s * inputs.c_query
 
 
-def fleet_model(inputs: ModelInputs, replicas: int = FLEET_REPLICAS, blocks: int = FLEET_BLOCKS, flush_s: float = FLEET_FLUSH_S) -> dict[str, float]:
+def fleet_model(
+    inputs: ModelInputs, replicas: int = FLEET_REPLICAS, blocks: int = FLEET_BLOCKS, flush_s: float = FLEET_FLUSH_S,
+    replicas_per_publisher: int = 1,
+) -> dict[str, float]:
     """The Directory that `replicas` replicas at the model's rates and `blocks` blocks need
-    (docs/scale.md): every replica publishes to every shard once per `flush_s`, a request
-    is one query call, a shard gets SHARD_CORES and SHARD_BYTES. Shards: enough for the CPU
-    besides each shard's publishes, and for the memory."""
+    (docs/scale.md): every publisher (a replica, or one per `replicas_per_publisher` when a
+    node aggregates its replicas' publishes) publishes to every shard once per `flush_s`, a
+    request is one query call, a shard gets SHARD_CORES and SHARD_BYTES. Shards: enough
+    for the CPU besides each shard's publishes, and for the memory."""
+    publishers = math.ceil(replicas / replicas_per_publisher)
     events = replicas * MODEL_EVENTS_PER_S
     requests = replicas * MODEL_REQUESTS_PER_S
     keys_queried = requests * MODEL_QUERY_KEYS
     work = model_cores(requests * QUERY_CALLS_PER_REQUEST, events, keys_queried, inputs)
-    left = SHARD_CORES - inputs.c_idle - replicas * inputs.c_call / flush_s  # of a shard, once its publishes are paid
+    left = SHARD_CORES - inputs.c_idle - publishers * inputs.c_call / flush_s  # of a shard, once its publishes are paid
     cpu_shards = math.ceil(work / left) if left > 0 else math.inf
     memory = blocks * (inputs.m_key + (FLEET_HOLDERS - 1) * inputs.m_holder)
     memory_shards = math.ceil(memory / SHARD_BYTES)
     shards = max(cpu_shards, memory_shards)
-    publishes = replicas * shards / flush_s if shards != math.inf else math.inf
+    publishes = publishers * shards / flush_s if shards != math.inf else math.inf
     calls = publishes + requests * QUERY_CALLS_PER_REQUEST
     return {
         "replicas": replicas,
@@ -987,7 +993,7 @@ def fleet_model(inputs: ModelInputs, replicas: int = FLEET_REPLICAS, blocks: int
         "cores": model_cores(calls, events, keys_queried, inputs, shards),
         "memory_bytes": memory,
         # the shortest flush interval at which a shard's publishes leave it any CPU
-        "min_flush_s": replicas * inputs.c_call / (SHARD_CORES - inputs.c_idle) if inputs.c_idle < SHARD_CORES else math.inf,
+        "min_flush_s": publishers * inputs.c_call / (SHARD_CORES - inputs.c_idle) if inputs.c_idle < SHARD_CORES else math.inf,
     }
 
 
@@ -1056,9 +1062,11 @@ def print_model(inputs: ModelInputs) -> None:
             f"take more than its {SHARD_CORES} core; the flush interval must exceed {m['min_flush_s']:.1f} s "
             f"(or publishes be aggregated per node)"
         )
-        for flush_s in (5.0,):
-            alt = fleet_model(inputs, flush_s=flush_s)
-            print(f"  with publishes every {flush_s:g} s: shards {alt['shards']}, Directory CPU {alt['cores']:.1f} cores")
+    for label, alt in (
+        ("publishes every 5 s", fleet_model(inputs, flush_s=5.0)),
+        (f"one publisher per node of {NODE_REPLICAS} replicas, every {FLEET_FLUSH_S:g} s", fleet_model(inputs, replicas_per_publisher=NODE_REPLICAS)),
+    ):
+        print(f"  with {label}: shards {alt['shards']}, calls {alt['calls_per_s'] / 1e3:.1f}k/s, Directory CPU {alt['cores']:.1f} cores")
 
 
 def counts_arg(text: str) -> list[int]:
