@@ -1,6 +1,8 @@
 """How the Directory scales: one shard with millions of keys, and the cluster as replicas grow.
 
-    python bench/scale.py [--keys 1000000,10000000] [--replicas 2,4,8] [--seconds 5] [--json PATH]
+    python bench/scale.py [--keys 1000000,10000000] [--replicas 64,256] [--shards 1,4,16]
+        [--seconds 20] [--events-per-s 100] [--requests-per-s 0.2]
+        [--view-replicas 2,4,8] [--view-seconds 5] [--json PATH] [--model [--from PATH]]
 
 Shard state (no Ray). One DirectoryState is filled, 500-key publishes from 8 replicas
 taking turns, to each size of --keys (36-byte keys, one holder each, rows and generations
@@ -18,11 +20,34 @@ publishes 100k held keys again); and a follower's view (distkv.directory.ShardVi
 to 1M keys: what it holds on to (tracemalloc, once the applied changes are gone) and how
 fast it applies them.
 
-Replicas (ray.cluster_utils.Cluster). A head node (the Directory: 1 shard) and one
-simulated node per replica; each replica is an actor with a real ClusterOffloadingSpec (its
-pool, DirectoryLink and the node's NodeAgent). Their number grows through --replicas,
-earlier replicas staying. At each count every replica stores 64 new blocks 20 times a
-second into a full pool (64 stored and 64 evicted events a cycle) for --seconds, while:
+Lightweight replicas (ray.cluster_utils.Cluster: a head and 3 simulated nodes; the
+shards spread over them as `get_or_create_shards` places them). For each --shards and
+each --replicas count, a fresh namespace's shards and 4 generator processes (one per node)
+hosting the replicas: a `LoadGenerator` each, whose replicas publish through the
+product's `Publisher` (one per shard, stepped every 2 s: a publish per replica per shard
+per flush, doubling as its heartbeat) and ask `query` like replicas that miss and follow
+no view (one call per shard a request's keys touch). Two cores cannot offer the model's
+rates: each replica offers --events-per-s stores and evictions and --requests-per-s
+requests of 90 keys, and the output says so beside the model's. Each point: fill (every
+replica registers 2,048 held keys), the shards' idle CPU for 2 s, their CPU per stats
+call, then --seconds of load and a drain:
+  events           offered by the generators, applied by the shards (their stats), lost
+  Directory CPU    cores of all shard processes (psutil), of the busiest, idle; per
+                   applied event, per call (every register, publish and query)
+  query            wall time from a request's first call to its last answer, p50 and
+                   p99, in the generator processes; calls per request; keys that hit
+  model            the Directory's cores predicted by docs/scale.md's model from the
+                   offered load, with the cost per stats call and with the cost per call
+                   fitted to the points; the CPU per event at the model's rates
+--model: the model's shards and CPU for 1,000 replicas and 100M blocks from the inputs
+this run measured, or with --from PATH from an earlier run's --json (no measuring).
+
+View replicas (--view-replicas; none by default). A head node (the Directory: 1 shard)
+and one simulated node per replica; each replica is an actor with a real
+ClusterOffloadingSpec (its pool, DirectoryLink following pushed views, the node's
+NodeAgent). Their number grows through --view-replicas, earlier replicas staying. At each
+count every replica stores 64 new blocks 20 times a second into a full pool (64 stored and
+64 evicted events a cycle) for --view-seconds, while:
   Directory events/s   stored+removed keys the shard applied, per second, beside the
                        events the replicas offered
   Directory CPU        cores the shard's process used, CPU us per applied event, the
@@ -40,9 +65,11 @@ from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import gc
 import hashlib
 import json
+import math
 import os
 import random
 import resource
@@ -52,6 +79,8 @@ import threading
 import time
 import tracemalloc
 import uuid
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -64,9 +93,11 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy  # noq
 
 from distkv.abstract import ReqContext, make_offload_key  # noqa: E402
 from distkv.demo.runner import token_auth_on  # noqa: E402
-from distkv.directory import Changes, Cursor, DirectoryState, ReplicaInfo, ShardView, pack, unpack  # noqa: E402
+from distkv.directory import Changes, Cursor, DirectoryState, Publisher, ReplicaInfo, ShardView, pack, shard_of, unpack  # noqa: E402
+from distkv.errors import ErrorLog  # noqa: E402
+from distkv.names import segment_name  # noqa: E402
 from distkv.spec import ClusterOffloadingSpec  # noqa: E402
-from ray_actors.directory import get_or_create_shards, kill_shards  # noqa: E402
+from ray_actors.directory import get_or_create_shards, kill_shards, shard_clients  # noqa: E402
 
 MiB = 1 << 20
 CHUNK = 500  # keys stored (and removed) per publish call
@@ -387,7 +418,7 @@ def replicas_scale(counts: list[int], seconds: float) -> list[dict[str, Any]]:
                 ray.get(replicas[1].ping.remote())
                 pings.append(time.perf_counter() - t)
             shard_proc = shard_process()
-            per_call = call_cpu(shard, shard_proc)
+            per_call = call_cpu(shard, [shard_proc])
             before = ray.get(shard.stats.remote())
             shard_cpu = cpu_seconds(shard_proc)
             window = time.monotonic()
@@ -448,35 +479,604 @@ def cpu_seconds(process: psutil.Process) -> float:
     return times.user + times.system
 
 
-def call_cpu(shard, process: psutil.Process, calls: int = 2000) -> float:
-    """CPU seconds the shard's process spends per call that does almost nothing (stats):
-    what Ray costs the shard for any call, 100 calls in flight at a time."""
+def call_cpu(shard, processes: list[psutil.Process], calls: int = 2000) -> float:
+    """CPU seconds the shards' `processes` spend per call to `shard` that does almost
+    nothing (stats): what Ray costs a shard for any call, 100 calls in flight at a time."""
     ray.get(shard.stats.remote())
-    before = cpu_seconds(process)
+    before = sum(cpu_seconds(p) for p in processes)
     for _ in range(calls // 100):
         ray.get([shard.stats.remote() for _ in range(100)])
-    return (cpu_seconds(process) - before) / (calls // 100 * 100)
+    return (sum(cpu_seconds(p) for p in processes) - before) / (calls // 100 * 100)
+
+
+# ---- lightweight replicas: a load generator ----------------------------------------------
+
+# The model's rates per replica (docs/scale.md): what a replica would offer at full load.
+MODEL_EVENTS_PER_S = 1250
+MODEL_REQUESTS_PER_S = 20_000 / 2048
+MODEL_QUERY_KEYS = 90
+GENERATOR_TICK_S = 0.05  # a scheduler step: when a generator's replicas store, evict and ask
+DRAIN_TIMEOUT_S = 60.0
+
+
+@dataclasses.dataclass(frozen=True)
+class LoadRates:
+    """What each lightweight replica offers: `events_per_s` stores and evictions together
+    (half each), `requests_per_s` requests that each miss `query_keys` keys locally; it
+    holds its `held` newest keys and publishes every `flush_s`."""
+
+    events_per_s: float
+    requests_per_s: float
+    query_keys: int
+    flush_s: float
+    held: int
+
+    def __post_init__(self) -> None:
+        if not (self.events_per_s >= 0 and self.requests_per_s >= 0 and self.flush_s > 0):
+            raise ValueError(f"{self}: rates must be >= 0 and flush_s > 0")
+        if not (self.query_keys >= 1 and self.held > self.query_keys + self.events_per_s * self.flush_s):
+            raise ValueError(
+                f"{self}: held must exceed query_keys and two flush intervals of stores, so that a request's keys are published"
+            )
+
+
+def load_key(replica: int, i: int) -> bytes:
+    """The i-th key lightweight replica `replica` stores (36 bytes, hash-like leading bytes)."""
+    return key((replica << 32) | i)
+
+
+class LoadGenerator:
+    """Many lightweight replicas of one cache namespace in one process, publishing and
+    querying the Directory as replicas do, with no model and no pool.
+
+    Replica `index` registers a `ReplicaInfo` of a fake pool of `rates.held` rows and
+    holds its `held` newest keys: each new key it stores evicts its oldest, at
+    `events_per_s` / 2 each a second. Its changes go through the product's `Publisher`, one
+    per shard, each stepped once every `flush_s` (the replicas' phases spread over the
+    interval), so that one publish per shard carries a flush interval's changes and is the
+    heartbeat too. A request asks about the `query_keys` oldest keys the next replica of
+    the process holds (stored more than two flush intervals ago, so each should hit): one
+    `query` call per shard those keys live on, sent at once, the request answered when the
+    last lands.
+
+    Accounting: `offered` counts the stores and evictions handed to the publishers and the
+    requests, calls and keys sent; `answers` collects (request, time.monotonic(), hits)
+    per query call, from whichever thread completes its Future. `step(now)` does the
+    rest, from one thread; `drained` says when every change has been published.
+    """
+
+    def __init__(
+        self, namespace: str, node_id: str, replicas: Sequence[int], clients: Sequence[Any], rates: LoadRates,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if not replicas:
+            raise ValueError("LoadGenerator: no replicas")
+        self.namespace = namespace
+        self.rates = rates
+        self.clock = clock
+        self.replicas = list(replicas)
+        self.num_shards = len(clients)
+        self.clients = list(clients)
+        self.errors = ErrorLog()
+        self.publishers: list[list[Publisher]] = []
+        for index in self.replicas:
+            name = f"load{index}"
+            info = ReplicaInfo(name, node_id, segment_name(namespace, name), rates.held, 1, PAGE_BYTES)
+            self.publishers.append([
+                Publisher(s, client, namespace, info, wake=_no_wake, errors=self.errors, event_lags=collections.deque(maxlen=1))
+                for s, client in enumerate(clients)
+            ])
+        self.next_key = [0] * len(self.replicas)
+        self.offered = collections.Counter()
+        self.answers: list[tuple[int, float, int]] = []
+        self.sent_at: list[float] = []  # per request
+        self.calls_of: list[int] = []  # per request: its query calls
+        self._started = 0.0
+        self._stores_done = 0
+        # per publisher, its last call that carried changes (a heartbeat carries none)
+        self._carrying: dict[Publisher, Future] = {}
+        self._flush_at: list[float] = []
+        self._request_at: list[float] = []
+
+    def fill(self, now: float) -> None:
+        """Every replica stores `held` keys (not counted as offered) and starts publishing."""
+        for r in range(len(self.replicas)):
+            self._store(r, self.rates.held, now)
+        self._started = now
+        n = len(self.replicas)
+        self._flush_at = [now + self.rates.flush_s * r / n for r in range(n)]
+        for publishers in self.publishers:
+            for publisher in publishers:
+                self._step(publisher, now)
+
+    def start(self, now: float) -> None:
+        """Start offering load from `now` (after `fill` and a drain)."""
+        self._started = now
+        self._stores_done = 0
+        n = len(self.replicas)
+        period = 1.0 / self.rates.requests_per_s if self.rates.requests_per_s else float("inf")
+        self._request_at = [now + period * (r + 0.5) / n for r in range(n)]
+
+    def step(self, now: float, offer: bool = True) -> None:
+        """Store, evict and ask what is due by `now` (if `offer`), and publish for the
+        replicas whose flush is due."""
+        if offer:
+            due = int((now - self._started) * self.rates.events_per_s / 2)
+            if due > self._stores_done:
+                for r in range(len(self.replicas)):
+                    self._store(r, due - self._stores_done, now, evict=True)
+                self._stores_done = due
+            period = 1.0 / self.rates.requests_per_s if self.rates.requests_per_s else float("inf")
+            for r, at in enumerate(self._request_at):
+                while at <= now:
+                    self._request(r)
+                    at += period
+                self._request_at[r] = at
+        for r, at in enumerate(self._flush_at):
+            if at <= now:
+                for publisher in self.publishers[r]:
+                    self._step(publisher, now)
+                self._flush_at[r] = at + self.rates.flush_s * (1 + (now - at) // self.rates.flush_s)
+
+    def step_busy(self, now: float) -> None:
+        """Step now every publisher that has changes to publish or a call to make again
+        (draining: without waiting for the flush interval; `step(now, offer=False)` keeps
+        the others' heartbeats going meanwhile)."""
+        for publishers in self.publishers:
+            for publisher in publishers:
+                if _busy(publisher):
+                    self._step(publisher, now)
+
+    @property
+    def drained(self) -> bool:
+        """Whether every change handed to the publishers has been applied by its shard
+        (heartbeats may still be in flight)."""
+        return not any(_busy(p) for publishers in self.publishers for p in publishers) and all(
+            future.done() for future in self._carrying.values()
+        )
+
+    def _step(self, publisher: Publisher, now: float) -> None:
+        carries = _busy(publisher)
+        before = publisher.publishing
+        publisher.step(now)
+        if carries and publisher.publishing is not None and publisher.publishing is not before:
+            self._carrying[publisher] = publisher.publishing
+
+    def _store(self, r: int, count: int, now: float, evict: bool = False) -> None:
+        index, publishers, held = self.replicas[r], self.publishers[r], self.rates.held
+        num_shards = self.num_shards
+        first = self.next_key[r]
+        touched = set()
+        for i in range(first, first + count):
+            k = load_key(index, i)
+            s = shard_of(k, num_shards)
+            publishers[s].store(k, i % held, i)
+            touched.add(s)
+            if evict:
+                old = load_key(index, i - held)
+                s = shard_of(old, num_shards)
+                publishers[s].remove(old)
+                touched.add(s)
+        self.next_key[r] = first + count
+        if evict:
+            self.offered["stored"] += count
+            self.offered["removed"] += count
+        for s in touched:
+            publishers[s].queued(now, now, lagged=True)
+
+    def _request(self, r: int) -> None:
+        target = (r + 1) % len(self.replicas)
+        start = self.next_key[target] - self.rates.held
+        keys = [load_key(self.replicas[target], i) for i in range(start, start + self.rates.query_keys)]
+        by_shard: dict[int, list[bytes]] = collections.defaultdict(list)
+        for k in keys:
+            by_shard[shard_of(k, self.num_shards)].append(k)
+        request = len(self.sent_at)
+        self.sent_at.append(self.clock())
+        self.calls_of.append(len(by_shard))
+        self.offered["requests"] += 1
+        self.offered["query_calls"] += len(by_shard)
+        self.offered["query_keys"] += len(keys)
+        answers, clock = self.answers, self.clock
+        for s, shard_keys in by_shard.items():
+            future = self.clients[s].query(shard_keys, self.namespace)
+            future.add_done_callback(lambda f, request=request: answers.append((request, clock(), _hits(f))))
+
+    def latencies(self) -> list[float]:
+        """Seconds from each answered request's sending to its last answer."""
+        last: dict[int, float] = {}
+        calls = collections.Counter()
+        for request, at, _ in list(self.answers):
+            calls[request] += 1
+            last[request] = max(last.get(request, 0.0), at)
+        return [last[q] - self.sent_at[q] for q in last if calls[q] == self.calls_of[q]]
+
+    def summary(self) -> dict[str, Any]:
+        """What was offered, and what the answers said: requests answered, keys hit, failed calls."""
+        answers = list(self.answers)
+        return {
+            **self.offered,
+            "answered_calls": sum(1 for _, _, hits in answers if hits >= 0),
+            "failed_calls": sum(1 for _, _, hits in answers if hits < 0),
+            "hits": sum(hits for _, _, hits in answers if hits > 0),
+            "publish_errors": self.errors.counts().get("directory_publish", 0),
+        }
+
+
+def _busy(publisher: Publisher) -> bool:
+    """Whether `publisher` has changes to publish, or to publish again: pending ones, a
+    batch or register to send again, or a finished call that failed or found the shard
+    not knowing the replica."""
+    if publisher.pending or publisher.failed_batch is not None or publisher.resync_at is not None:
+        return True
+    future = publisher.publishing
+    if future is None or not future.done():
+        return False
+    if future.exception() is not None:
+        return True
+    _, known = future.result()
+    return not known
+
+
+def _no_wake() -> None:
+    """A generator's publishers are stepped on its schedule, not woken by their calls."""
+
+
+def _hits(future: Future) -> int:
+    """Keys of a query call's answer that have a holder; -1 if the call failed."""
+    try:
+        return sum(1 for holders in unpack(future.result()) if holders)
+    except Exception:
+        return -1
+
+
+GENERATOR_PROCESSES = 4
+GENERATOR_NODES = 3  # simulated nodes besides the head; shards and generator processes spread over all four
+ANSWER_TIMEOUT_S = 10.0
+IDLE_S = 2.0  # the shards' CPU with no calls, measured for this long before the load
+
+
+@ray.remote(num_cpus=0)
+class LoadProcess:
+    """One process of lightweight replicas: a `LoadGenerator` over the namespace's shards."""
+
+    def __init__(self, namespace: str, num_shards: int, replicas: list[int], rates: LoadRates) -> None:
+        node_id = ray.get_runtime_context().get_node_id()
+        self.generator = LoadGenerator(namespace, node_id, replicas, shard_clients(namespace, num_shards), rates)
+
+    def fill(self) -> None:
+        """Register every replica with its `held` keys, and wait until the shards have them."""
+        self.generator.fill(time.monotonic())
+        self._drain()
+
+    def run(self, seconds: float) -> dict[str, Any]:
+        """Offer the load for `seconds`, then publish what is pending and wait for the answers."""
+        generator = self.generator
+        cpu = time.process_time()
+        start = time.monotonic()
+        generator.start(start)
+        ticks = 0
+        while time.monotonic() < start + seconds:
+            generator.step(time.monotonic())
+            ticks += 1
+            time.sleep(max(0.0, start + ticks * GENERATOR_TICK_S - time.monotonic()))
+        self._drain()
+        deadline = time.monotonic() + ANSWER_TIMEOUT_S
+        while len(generator.answers) < generator.offered["query_calls"] and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return {
+            **generator.summary(),
+            "latencies": generator.latencies(),
+            "cpu_s": time.process_time() - cpu,
+            "wall_s": time.monotonic() - start,
+        }
+
+    def _drain(self) -> None:
+        generator = self.generator
+        deadline = time.monotonic() + DRAIN_TIMEOUT_S
+        generator.step_busy(time.monotonic())
+        while not generator.drained:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"changes still unpublished after {DRAIN_TIMEOUT_S} s: {generator.errors.recent()[-3:]}")
+            time.sleep(0.01)
+            generator.step(time.monotonic(), offer=False)
+            generator.step_busy(time.monotonic())
+
+
+def shard_processes(count: int, timeout_s: float = 60.0) -> list[psutil.Process]:
+    """The `count` Directory shard worker processes (all this driver's descendants that
+    run a DirectoryShard), once there are exactly that many."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        found = []
+        for process in psutil.Process().children(recursive=True):
+            try:
+                if "DirectoryShard" in " ".join(process.cmdline()):
+                    found.append(process)
+            except psutil.Error:
+                continue
+        if len(found) == count:
+            return found
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{len(found)} DirectoryShard processes, not {count}")
+        time.sleep(0.2)
+
+
+# the shard's operation counters that are each one call
+CALL_COUNTERS = ("registers", "unregisters", "publishes", "ignored_publishes", "unknown_publishes", "queries")
+
+
+def shards_stats(handles: list) -> collections.Counter:
+    total = collections.Counter()
+    for stats in ray.get([h.stats.remote() for h in handles]):
+        total.update({k: v for k, v in stats.items() if isinstance(v, int)})
+    return total
+
+
+def generator_scale(replica_counts: list[int], shard_counts: list[int], rates: LoadRates, seconds: float) -> list[dict[str, Any]]:
+    """Per (shards, replicas): the Directory's CPU, calls, events and query latency under
+    the lightweight replicas' load; see the module docstring."""
+    token_auth_on()
+    cluster = Cluster(
+        initialize_head=True,
+        connect=True,
+        head_node_args={"num_cpus": 1, "object_store_memory": 100 * MiB, "include_dashboard": False},
+    )
+    rows = []
+    try:
+        for _ in range(GENERATOR_NODES):
+            cluster.add_node(num_cpus=1, object_store_memory=80 * MiB)
+        cluster.wait_for_nodes()
+        node_ids = [n["NodeID"] for n in ray.nodes() if n["Alive"]]
+        for num_shards in shard_counts:
+            for num_replicas in replica_counts:
+                rows.append(generator_point(num_replicas, num_shards, rates, seconds, node_ids))
+                r = rows[-1]
+                print(
+                    f"  {num_replicas} replicas, {num_shards} shards: {r['directory_cores']:.3f} cores, "
+                    f"{r['directory_cpu_us_per_event']:.1f} us/event, query p99 {r['query_p99_ms']:.1f} ms, "
+                    f"lost {r['events_lost']}, load {r['load_average'][0]:.1f}",
+                    file=sys.stderr, flush=True,
+                )
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+    return rows
+
+
+def generator_point(num_replicas: int, num_shards: int, rates: LoadRates, seconds: float, node_ids: list[str]) -> dict[str, Any]:
+    namespace = f"scale{uuid.uuid4().hex[:12]}"
+    handles = get_or_create_shards(namespace, num_shards)
+    processes: list = []
+    try:
+        shards_stats(handles)
+        shard_procs = shard_processes(num_shards)
+        count = min(GENERATOR_PROCESSES, num_replicas)
+        processes = [
+            LoadProcess.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node_ids[p % len(node_ids)], soft=False)).remote(
+                namespace, num_shards, list(range(p, num_replicas, count)), rates
+            )
+            for p in range(count)
+        ]
+        ray.get([p.fill.remote() for p in processes])
+        per_call = call_cpu(handles[0], shard_procs, calls=1000)
+        idle_before, idle_started = sum(cpu_seconds(p) for p in shard_procs), time.monotonic()
+        time.sleep(IDLE_S)
+        idle_cores = (sum(cpu_seconds(p) for p in shard_procs) - idle_before) / (time.monotonic() - idle_started)
+        load = os.getloadavg()
+        before = shards_stats(handles)
+        cpu_before = [cpu_seconds(p) for p in shard_procs]
+        started = time.monotonic()
+        results = ray.get([p.run.remote(seconds) for p in processes])
+        wall = time.monotonic() - started
+        cpu = [cpu_seconds(p) - c for p, c in zip(shard_procs, cpu_before)]
+        after = shards_stats(handles)
+    finally:
+        for p in processes:
+            ray.kill(p)
+        kill_shards(namespace)
+    delta = {k: after[k] - before[k] for k in after}
+    offered = collections.Counter()
+    for result in results:
+        offered.update({k: v for k, v in result.items() if isinstance(v, int)})
+    latencies = [s for result in results for s in result["latencies"]]
+    q = statistics.quantiles(latencies, n=100, method="inclusive") if len(latencies) > 1 else [float("nan")] * 99
+    events_offered = offered["stored"] + offered["removed"]
+    events_applied = delta.get("stored", 0) + delta.get("removed", 0)
+    calls = sum(delta.get(k, 0) for k in CALL_COUNTERS)
+    directory_cpu = sum(cpu)
+    return {
+        "replicas": num_replicas,
+        "shards": num_shards,
+        "wall_s": wall,
+        "load_average": load,
+        "load_average_end": os.getloadavg(),
+        "offered_events_per_replica_s": rates.events_per_s,
+        "offered_requests_per_replica_s": rates.requests_per_s,
+        "events_offered": events_offered,
+        "events_applied": events_applied,
+        "events_lost": events_offered - events_applied,
+        # a shard that expired a replica (its heartbeats queued too long) makes it register
+        # again with everything it holds: those keys count as applied events too
+        "registers": delta.get("registers", 0),
+        "unknown_publishes": delta.get("unknown_publishes", 0),
+        "events_per_s": events_applied / wall,
+        "publishes": delta.get("publishes", 0) + delta.get("ignored_publishes", 0),
+        "calls": calls,
+        "calls_per_s": calls / wall,
+        "requests": offered["requests"],
+        "query_calls": delta.get("queries", 0),
+        "query_calls_offered": offered["query_calls"],
+        "query_calls_per_request": offered["query_calls"] / offered["requests"] if offered["requests"] else None,
+        "queried_keys_per_s": delta.get("queried_keys", 0) / wall,
+        "query_hit_rate": offered["hits"] / offered["query_keys"] if offered["query_keys"] else None,
+        "query_failed_calls": offered["failed_calls"],
+        "query_p50_ms": q[49] * 1e3,
+        "query_p99_ms": q[98] * 1e3,
+        "requests_answered": len(latencies),
+        "directory_cores": directory_cpu / wall,
+        "busiest_shard_cores": max(cpu) / wall,
+        "directory_cpu_us_per_event": directory_cpu / events_applied * 1e6 if events_applied else None,
+        "directory_cpu_us_per_call": directory_cpu / calls * 1e6 if calls else None,
+        "directory_cpu_us_per_stats_call": per_call * 1e6,
+        "directory_idle_cores": idle_cores,
+        "publishes_per_s": (delta.get("publishes", 0) + delta.get("ignored_publishes", 0)) / wall,
+        "generator_cores": sum(r["cpu_s"] for r in results) / wall,
+        "directory_keys": after["keys"],
+        "publish_errors": offered["publish_errors"],
+    }
+
+
+# ---- the model ---------------------------------------------------------------------------
+
+FLEET_REPLICAS = 1000
+FLEET_BLOCKS = 100_000_000
+FLEET_HOLDERS = 1.2  # per block
+FLEET_FLUSH_S = 2.0
+QUERY_CALLS_PER_REQUEST = 1  # a request's prefix on one shard
+SHARD_CORES = 0.5
+SHARD_BYTES = 4 << 30
+NODE_REPLICAS = 8  # replicas of one node, when the node aggregates their publishes
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelInputs:
+    """The measured inputs of docs/scale.md's model: shard CPU seconds per call (`c_call`),
+    per event published (`c_pub`) and per key queried (`c_query`), cores of a shard that
+    takes no calls (`c_idle`: its node watcher, Ray's own); shard bytes per key (`m_key`)
+    and per extra holder (`m_holder`). `source` says where they came from."""
+
+    c_call: float
+    c_pub: float
+    c_query: float
+    m_key: float
+    m_holder: float
+    source: str
+    c_idle: float = 0.0
+
+
+def model_cores(calls_per_s: float, events_per_s: float, keys_queried_per_s: float, inputs: ModelInputs, shards: float = 0) -> float:
+    """Directory CPU = S · c_idle + calls · c_call + E · c_pub + Q · c_query, in cores."""
+    return shards * inputs.c_idle + calls_per_s * inputs.c_call + events_per_s * inputs.c_pub + keys_queried_per_s * inputs.c_query
+
+
+def fleet_model(
+    inputs: ModelInputs, replicas: int = FLEET_REPLICAS, blocks: int = FLEET_BLOCKS, flush_s: float = FLEET_FLUSH_S,
+    replicas_per_publisher: int = 1,
+) -> dict[str, float]:
+    """The Directory that `replicas` replicas at the model's rates and `blocks` blocks need
+    (docs/scale.md): every publisher (a replica, or one per `replicas_per_publisher` when a
+    node aggregates its replicas' publishes) publishes to every shard once per `flush_s`, a
+    request is one query call, a shard gets SHARD_CORES and SHARD_BYTES. Shards: enough
+    for the CPU besides each shard's publishes, and for the memory."""
+    publishers = math.ceil(replicas / replicas_per_publisher)
+    events = replicas * MODEL_EVENTS_PER_S
+    requests = replicas * MODEL_REQUESTS_PER_S
+    keys_queried = requests * MODEL_QUERY_KEYS
+    work = model_cores(requests * QUERY_CALLS_PER_REQUEST, events, keys_queried, inputs)
+    left = SHARD_CORES - inputs.c_idle - publishers * inputs.c_call / flush_s  # of a shard, once its publishes are paid
+    cpu_shards = math.ceil(work / left) if left > 0 else math.inf
+    memory = blocks * (inputs.m_key + (FLEET_HOLDERS - 1) * inputs.m_holder)
+    memory_shards = math.ceil(memory / SHARD_BYTES)
+    shards = max(cpu_shards, memory_shards)
+    publishes = publishers * shards / flush_s if shards != math.inf else math.inf
+    calls = publishes + requests * QUERY_CALLS_PER_REQUEST
+    return {
+        "replicas": replicas,
+        "blocks": blocks,
+        "events_per_s": events,
+        "keys_queried_per_s": keys_queried,
+        "cpu_shards": cpu_shards,
+        "memory_shards": memory_shards,
+        "shards": shards,
+        "calls_per_s": calls,
+        "cores": model_cores(calls, events, keys_queried, inputs, shards),
+        "memory_bytes": memory,
+        # the shortest flush interval at which a shard's publishes leave it any CPU
+        "min_flush_s": publishers * inputs.c_call / (SHARD_CORES - inputs.c_idle) if inputs.c_idle < SHARD_CORES else math.inf,
+    }
+
+
+def fitted_call_cost(points: list[dict[str, Any]], c_pub: float, c_query: float) -> float | None:
+    """The shard CPU per call that best explains the generator's points (least squares),
+    given each point's idle shard CPU and the state's own costs per event and per key:
+    Ray's cost per call under many callers."""
+    pairs = [
+        (
+            p["calls_per_s"],
+            p["directory_cores"] - p.get("directory_idle_cores", 0.0) - p["events_per_s"] * c_pub - p["queried_keys_per_s"] * c_query,
+        )
+        for p in points
+        if p["calls_per_s"] > 0
+    ]
+    if not pairs:
+        return None
+    return sum(calls * rest for calls, rest in pairs) / sum(calls * calls for calls, _ in pairs)
+
+
+def model_inputs(figures: dict[str, Any], source: str) -> ModelInputs:
+    """The model's inputs from a measurement's figures (this script's --json): the state's
+    costs at its largest size, Ray's cost per call fitted to the generator's points (else
+    the largest cost per stats call measured)."""
+    state = figures["state"]
+    largest = state["sizes"][-1]
+    c_pub = 1 / largest["publish_events_per_s"]
+    c_query = 1 / largest["query_keys_per_s"]
+    m_key = state["marginal_bytes_per_key"] or largest["bytes_per_key"]
+    points = figures.get("generator") or []
+    smallest = state["sizes"][0]
+    c_call = fitted_call_cost(points, 1 / smallest["publish_events_per_s"], 1 / smallest["query_keys_per_s"])
+    if c_call is not None:
+        how = f"c_call fitted to {len(points)} generator points"
+    else:
+        stats_calls = [p["directory_cpu_us_per_stats_call"] for p in points] + [
+            r["directory_cpu_us_per_call"] for r in figures.get("replicas") or []
+        ]
+        if not stats_calls:
+            raise ValueError("the figures hold no cost per call: run the generator or the view replicas")
+        c_call = max(stats_calls) / 1e6
+        how = "c_call the largest per stats call"
+    c_idle = max((p["directory_idle_cores"] / p["shards"] for p in points if "directory_idle_cores" in p), default=0.0)
+    return ModelInputs(c_call, c_pub, c_query, m_key, state["extra_holder_bytes_per_key"], f"{source}; {how}", c_idle)
+
+
+def print_model(inputs: ModelInputs) -> None:
+    m = fleet_model(inputs)
+    print(f"model inputs ({inputs.source}):")
+    print(
+        f"  c_call {inputs.c_call * 1e6:.0f} us/call, c_idle {inputs.c_idle:.3f} cores/shard, c_pub {inputs.c_pub * 1e6:.2f} us/event, "
+        f"c_query {inputs.c_query * 1e6:.2f} us/key, m_key {inputs.m_key:.0f} B, m_holder {inputs.m_holder:.0f} B"
+    )
+    print(
+        f"model for {m['replicas']:,} replicas and {m['blocks'] / 1e6:.0f}M blocks (e = {MODEL_EVENTS_PER_S}/s, "
+        f"r = {MODEL_REQUESTS_PER_S:.2f}/s, q = {MODEL_QUERY_KEYS} per replica; publishes every {FLEET_FLUSH_S:g} s; "
+        f"a request one query call):"
+    )
+    print(
+        f"  shards {m['shards']} (CPU {m['cpu_shards']}, memory {m['memory_shards']}); calls {m['calls_per_s'] / 1e3:.1f}k/s; "
+        f"Directory CPU {m['cores']:.1f} cores; memory {m['memory_bytes'] / 1e9:.1f} GB"
+    )
+    if m["shards"] == math.inf:
+        print(
+            f"  no number of shards suffices: each shard's publishes from {m['replicas']:,} replicas every {FLEET_FLUSH_S:g} s "
+            f"take more than its {SHARD_CORES} core; the flush interval must exceed {m['min_flush_s']:.1f} s "
+            f"(or publishes be aggregated per node)"
+        )
+    for label, alt in (
+        ("publishes every 5 s", fleet_model(inputs, flush_s=5.0)),
+        (f"one publisher per node of {NODE_REPLICAS} replicas, every {FLEET_FLUSH_S:g} s", fleet_model(inputs, replicas_per_publisher=NODE_REPLICAS)),
+    ):
+        print(f"  with {label}: shards {alt['shards']}, calls {alt['calls_per_s'] / 1e3:.1f}k/s, Directory CPU {alt['cores']:.1f} cores")
 
 
 def counts_arg(text: str) -> list[int]:
     values = [int(v) for v in text.split(",") if v]
-    if not values or values != sorted(values) or values[0] < 1:
+    if values != sorted(values) or (values and values[0] < 1):
         raise argparse.ArgumentTypeError(f"{text!r}: ascending positive integers, comma-separated")
     return values
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--keys", type=counts_arg, default=[1_000_000, 10_000_000], help="shard sizes, ascending (default 1000000,10000000)")
-    parser.add_argument("--replicas", type=counts_arg, default=[2, 4, 8], help="replica counts, ascending, at least 2 (default 2,4,8)")
-    parser.add_argument("--seconds", type=float, default=5.0, help="churn per replica count (default 5)")
-    parser.add_argument("--json", type=Path, help="also write the figures here")
-    args = parser.parse_args()
-    if args.replicas[0] < 2:
-        parser.error("--replicas: at least 2 (replica 1 watches replica 0)")
-
-    print(f"machine: {os.cpu_count()} cores, {psutil.virtual_memory().total / 2**30:.0f} GiB; Python {sys.version.split()[0]}", flush=True)
-    state = state_scale(args.keys)
+def print_state(state: dict[str, Any]) -> None:
     print(f"{'shard keys':>12} {'bytes/key':>10} {'publish events/s':>17} {'query keys/s':>13} {'serve keys/s':>13} {'wire B/event':>13} {'fill s':>7}")
     for s in state["sizes"]:
         print(
@@ -488,7 +1088,8 @@ def main() -> None:
     print(f"second holder of a key: {state['extra_holder_bytes_per_key']:.0f} bytes")
     print(f"follower view of {state['view_keys']:,} keys: {state['view_bytes_per_key']:.0f} bytes/key, applies {state['view_apply_keys_per_s']:,.0f} keys/s")
 
-    replicas = replicas_scale(args.replicas, args.seconds)
+
+def print_view_replicas(replicas: list[dict[str, Any]]) -> None:
     print(
         f"{'replicas':>8} {'offered ev/s':>13} {'directory ev/s':>15} {'view p50 ms':>12} {'p99 ms':>8} "
         f"{'call ms':>8} {'CPU/replica':>12} {'Directory CPU':>14} {'us/event':>9} {'publishes/s':>12} {'us/call':>8}"
@@ -500,8 +1101,111 @@ def main() -> None:
             f"{r['cpu_per_replica']:>12.3f} {r['directory_cores']:>14.3f} {r['directory_cpu_us_per_event'] or float('nan'):>9.1f} "
             f"{r['directory_publishes_per_s']:>12,.0f} {r['directory_cpu_us_per_call']:>8.0f}"
         )
+
+
+def generator_model(points: list[dict[str, Any]], state: dict[str, Any]) -> dict[str, Any]:
+    """The model beside each generator point: the Directory's cores predicted with the
+    cost per stats call (`predicted`) and with the cost per call fitted to all points
+    (`refit`), each with the point's idle CPU; and the CPU per event amortised at the
+    model's rates (`us_per_event_at_model_rates`): the same publishes (one per replica per
+    shard per flush interval, however many events it carries) and idle CPU, spread over
+    replicas · e events, with the fitted cost per call."""
+    smallest = state["sizes"][0]
+    c_pub, c_query = 1 / smallest["publish_events_per_s"], 1 / smallest["query_keys_per_s"]
+    fitted = fitted_call_cost(points, c_pub, c_query)
+    rows = []
+    for p in points:
+        load = (p["calls_per_s"], p["events_per_s"], p["queried_keys_per_s"])
+        model_events = p["replicas"] * MODEL_EVENTS_PER_S
+        rows.append({
+            "replicas": p["replicas"],
+            "shards": p["shards"],
+            "predicted_cores": p["directory_idle_cores"] + model_cores(*load, ModelInputs(p["directory_cpu_us_per_stats_call"] / 1e6, c_pub, c_query, 0, 0, "")),
+            "refit_cores": None if fitted is None else p["directory_idle_cores"] + model_cores(*load, ModelInputs(fitted, c_pub, c_query, 0, 0, "")),
+            "us_per_event_at_model_rates": None if fitted is None else (
+                p["directory_idle_cores"] + p["publishes_per_s"] * fitted + model_events * c_pub
+            ) / model_events * 1e6,
+        })
+    return {"c_pub": c_pub, "c_query": c_query, "c_call_fitted": fitted, "at_state_keys": smallest["keys"], "points": rows}
+
+
+def print_generator(points: list[dict[str, Any]], rates: LoadRates, model: dict[str, Any]) -> None:
+    print(
+        f"lightweight replicas: offered per replica {rates.events_per_s:g} events/s and {rates.requests_per_s:g} requests/s "
+        f"of {rates.query_keys} keys, against the model's {MODEL_EVENTS_PER_S} and {MODEL_REQUESTS_PER_S:.2f} "
+        f"({rates.events_per_s / MODEL_EVENTS_PER_S:.1%} and {rates.requests_per_s / MODEL_REQUESTS_PER_S:.1%}: "
+        f"what this machine can generate); publishes every {rates.flush_s:g} s; {rates.held} keys held each"
+    )
+    print(
+        f"{'replicas':>8} {'shards':>6} {'load':>5} {'offered ev':>11} {'applied':>9} {'lost':>5} {'calls/s':>8} {'Dir cores':>9} "
+        f"{'idle':>6} {'busiest':>8} {'us/event':>9} {'@model e':>9} {'us/call':>8} {'us/stats':>9} {'calls/req':>9} "
+        f"{'q p50 ms':>9} {'q p99 ms':>9} {'hit':>5} {'model':>7} {'refit':>7} {'gen cores':>9}"
+    )
+    for p, m in zip(points, model["points"]):
+        print(
+            f"{p['replicas']:>8} {p['shards']:>6} {p['load_average'][0]:>5.1f} {p['events_offered']:>11,} {p['events_applied']:>9,} "
+            f"{p['events_lost']:>5} {p['calls_per_s']:>8,.0f} {p['directory_cores']:>9.3f} {p['directory_idle_cores']:>6.3f} "
+            f"{p['busiest_shard_cores']:>8.3f} {p['directory_cpu_us_per_event'] or float('nan'):>9.1f} "
+            f"{m['us_per_event_at_model_rates'] or float('nan'):>9.1f} {p['directory_cpu_us_per_call'] or float('nan'):>8.0f} "
+            f"{p['directory_cpu_us_per_stats_call']:>9.0f} {p['query_calls_per_request'] or float('nan'):>9.1f} "
+            f"{p['query_p50_ms']:>9.2f} {p['query_p99_ms']:>9.2f} {p['query_hit_rate'] or 0:>5.0%} {m['predicted_cores']:>7.3f} "
+            f"{m['refit_cores'] or float('nan'):>7.3f} {p['generator_cores']:>9.3f}"
+        )
+    if model["c_call_fitted"] is not None:
+        print(
+            f"model: cores = idle + calls/s * c_call + events/s * {model['c_pub'] * 1e6:.2f} us + keys queried/s * "
+            f"{model['c_query'] * 1e6:.2f} us (the state's costs at {model['at_state_keys']:,} keys); 'model' with c_call = us/stats, "
+            f"'refit' with c_call = {model['c_call_fitted'] * 1e6:.0f} us fitted to these points; '@model e': us/event amortised "
+            f"at the model's {MODEL_EVENTS_PER_S} events/s per replica (same publishes, refit c_call)"
+        )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--keys", type=counts_arg, default=[1_000_000, 10_000_000], help="shard sizes, ascending (default 1000000,10000000)")
+    parser.add_argument("--replicas", type=counts_arg, default=[64, 256], help="lightweight replica counts (default 64,256; '' for none)")
+    parser.add_argument("--shards", type=counts_arg, default=[1, 4, 16], help="shard counts for the lightweight replicas (default 1,4,16)")
+    parser.add_argument("--seconds", type=float, default=20.0, help="load per lightweight point (default 20)")
+    parser.add_argument("--events-per-s", type=float, default=100.0, help="stores and evictions offered per lightweight replica (default 100)")
+    parser.add_argument("--requests-per-s", type=float, default=0.2, help="requests offered per lightweight replica (default 0.2)")
+    parser.add_argument("--view-replicas", type=counts_arg, default=[], help="real replicas following pushed views, ascending, at least 2 (default none)")
+    parser.add_argument("--view-seconds", type=float, default=5.0, help="churn per view replica count (default 5)")
+    parser.add_argument("--json", type=Path, help="also write the figures here")
+    parser.add_argument("--model", action="store_true", help="print the model for 1,000 replicas and 100M blocks from the measured inputs")
+    parser.add_argument("--from", dest="source", type=Path, help="with --model: take the inputs from this --json of an earlier run instead of measuring")
+    args = parser.parse_args()
+    if args.view_replicas and args.view_replicas[0] < 2:
+        parser.error("--view-replicas: at least 2 (replica 1 watches replica 0)")
+    if args.source is not None:
+        if not args.model:
+            parser.error("--from goes with --model")
+        print_model(model_inputs(json.loads(args.source.read_text()), f"from {args.source}, measured earlier"))
+        return
+    if not args.keys:
+        parser.error("--keys: at least one size")
+    rates = LoadRates(args.events_per_s, args.requests_per_s, MODEL_QUERY_KEYS, FLEET_FLUSH_S, 2048)
+
+    print(
+        f"machine: {os.cpu_count()} cores, {psutil.virtual_memory().total / 2**30:.0f} GiB; Python {sys.version.split()[0]}; "
+        f"load average {os.getloadavg()[0]:.1f}",
+        flush=True,
+    )
+    figures: dict[str, Any] = {"load_average_start": os.getloadavg()}
+    figures["state"] = state_scale(args.keys)
+    print_state(figures["state"])
+    if args.view_replicas:
+        figures["replicas"] = replicas_scale(args.view_replicas, args.view_seconds)
+        print_view_replicas(figures["replicas"])
+    if args.replicas:
+        figures["generator"] = generator_scale(args.replicas, args.shards, rates, args.seconds)
+        figures["generator_rates"] = dataclasses.asdict(rates)
+        figures["generator_model"] = generator_model(figures["generator"], figures["state"])
+        print_generator(figures["generator"], rates, figures["generator_model"])
+    figures["load_average_end"] = os.getloadavg()
     if args.json:
-        args.json.write_text(json.dumps({"state": state, "replicas": replicas}, indent=2))
+        args.json.write_text(json.dumps(figures, indent=2))
+    if args.model:
+        print_model(model_inputs(figures, "measured in this run"))
 
 
 if __name__ == "__main__":

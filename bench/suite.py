@@ -22,7 +22,8 @@ docs/scale.md builds the scale model from the scale rows.
             Goal: ratio >= 0.7.
   demo      python -m distkv demo --json: time to first token with and without distkv.
   scale     python bench/scale.py: one Directory shard at 1M and 10M keys (1M with
-            --quick), replicas 2 -> 8 (2 -> 4) on simulated nodes.
+            --quick), replicas following pushed views 2 -> 8 (2 -> 4) on simulated nodes,
+            and 64 lightweight replicas against 1 and 4 shards (16 against 1).
 
 A part that fails shows as one row saying why; the suite then exits 1. --quick runs
 every part smaller; most of either run is Ray starting simulated nodes and replicas.
@@ -113,13 +114,13 @@ class Sizes:
 FULL = Sizes(
     trace_requests=5000, trace_rows=8192, trace_runs=5, view_keys=65536, lookup_batches=201,
     transfer_args=[], promote_args=[], demo_args=["--requests", "120"],
-    scale_args=["--keys", "1000000,10000000", "--replicas", "2,4,8", "--seconds", "5"],
+    scale_args=["--keys", "1000000,10000000", "--view-replicas", "2,4,8", "--view-seconds", "5", "--replicas", "64", "--shards", "1,4", "--seconds", "10"],
 )
 QUICK = Sizes(
     trace_requests=1000, trace_rows=2048, trace_runs=3, view_keys=8192, lookup_batches=51,
     transfer_args=["--gib", "0.25", "--reps", "3"], promote_args=["--runs", "3", "--warmup", "1"],
     demo_args=["--requests", "40", "--replicas", "2"],
-    scale_args=["--keys", "1000000", "--replicas", "2,4", "--seconds", "2"],
+    scale_args=["--keys", "1000000", "--view-replicas", "2,4", "--view-seconds", "2", "--replicas", "16", "--shards", "1", "--seconds", "5"],
 )
 
 
@@ -320,7 +321,7 @@ def demo_part(sizes: Sizes, figures: dict[str, Any]) -> list[Row]:
 
 
 def scale_part(sizes: Sizes, figures: dict[str, Any]) -> list[Row]:
-    result = run_script(["bench/scale.py", *sizes.scale_args], timeout_s=900)
+    result = run_script(["bench/scale.py", *sizes.scale_args], timeout_s=1200)
     figures["scale"] = result
     state = result["state"]
     rows = []
@@ -349,6 +350,14 @@ def scale_part(sizes: Sizes, figures: dict[str, Any]) -> list[Row]:
             Row("scale", f"Directory CPU per applied event, {n}", "us", r["directory_cpu_us_per_event"]),
             Row("scale", f"Directory CPU per call (Ray), {n}", "us", r["directory_cpu_us_per_call"]),
             Row("scale", f"CPU per replica, {n}", "cores", r["cpu_per_replica"]),
+        ]
+    for p in result.get("generator", []):
+        n = f"{p['replicas']} lightweight replicas, {p['shards']} shards"
+        rows += [
+            Row("scale", f"Directory events applied, {n}", "events", p["events_applied"], "events offered", p["events_offered"]),
+            Row("scale", f"Directory CPU per event, {n}", "us", p["directory_cpu_us_per_event"], note="at the offered (scaled-down) rates"),
+            Row("scale", f"Directory CPU per call, {n}", "us", p["directory_cpu_us_per_call"], "per stats call", p["directory_cpu_us_per_stats_call"]),
+            Row("scale", f"query p99 (wall), {n}", "ms", p["query_p99_ms"]),
         ]
     return rows
 

@@ -1,0 +1,142 @@
+"""bench/scale.py's load generator and model, without Ray: the generator's lightweight
+replicas against fake shards must offer exactly what the shards apply, ask one query
+call per shard a request's keys touch, and the model must give docs/scale.md's figures
+from its inputs. Nothing here is timed."""
+
+import importlib.util
+import math
+import sys
+from pathlib import Path
+
+import pytest
+from directory_fakes import FakeShard
+
+
+
+def load_scale():
+    spec = importlib.util.spec_from_file_location("bench_scale", Path(__file__).resolve().parents[2] / "bench" / "scale.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+scale = load_scale()
+NAMESPACE = "scaletest"
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def answer_all(shards):
+    for shard in shards:
+        shard.answer()
+
+
+def applied(shards) -> int:
+    return sum(s.state.stats().get("stored", 0) + s.state.stats().get("removed", 0) for s in shards)
+
+
+def drain(generator, shards, clock):
+    for _ in range(100):
+        answer_all(shards)
+        generator.step(clock(), offer=False)
+        generator.step_busy(clock())
+        if generator.drained:
+            return
+        clock.now += 0.01
+    raise AssertionError("the generator never drained")
+
+
+@pytest.fixture
+def run():
+    """A generator of 4 replicas on 3 fake shards, filled, then offering load for 6 s of its clock."""
+    shards = [FakeShard() for _ in range(3)]
+    clock = Clock()
+    rates = scale.LoadRates(events_per_s=100, requests_per_s=1.0, query_keys=20, flush_s=2.0, held=256)
+    generator = scale.LoadGenerator(NAMESPACE, "node0", [10, 11, 12, 13], shards, rates, clock=clock)
+    generator.fill(clock())
+    drain(generator, shards, clock)
+    before = applied(shards)
+    generator.start(clock())
+    start = clock.now
+    for tick in range(1, 121):  # 6 s of 50 ms steps
+        clock.now = start + tick / 20
+        generator.step(clock())
+        answer_all(shards)
+    drain(generator, shards, clock)
+    return generator, shards, before, rates
+
+
+def test_every_event_offered_is_applied_once(run):
+    generator, shards, before, rates = run
+    offered = generator.offered["stored"] + generator.offered["removed"]
+    assert offered == 4 * 6 * rates.events_per_s  # 4 replicas, 6 s
+    assert applied(shards) - before == offered
+    # each replica still holds exactly its `held` newest keys, on the shard its key hashes to
+    for r, index in enumerate(generator.replicas):
+        held = {k for s in shards for k in s.held_by(f"load{index}") if s.state.query([k])[0]}
+        newest = {scale.load_key(index, i) for i in range(generator.next_key[r] - rates.held, generator.next_key[r])}
+        assert held == newest
+
+
+def test_a_publisher_publishes_once_per_flush_interval(run):
+    generator, shards, _, rates = run
+    publishes = sum(s.state.stats()["publishes"] for s in shards)
+    # fill: a register and its drain; then one publish per shard per replica per 2 s (6 s: 3 or 4), then the drain
+    per_publisher = publishes / (4 * 3)
+    assert 3 <= per_publisher <= 7
+
+
+def test_a_request_is_one_query_call_per_shard_its_keys_touch_and_hits(run):
+    generator, shards, _, rates = run
+    assert generator.offered["requests"] == 4 * 6
+    queries = sum(s.state.stats().get("queries", 0) for s in shards)
+    assert queries == generator.offered["query_calls"] == sum(generator.calls_of)
+    summary = generator.summary()
+    assert summary["failed_calls"] == 0
+    assert summary["hits"] == generator.offered["query_keys"] == 4 * 6 * rates.query_keys
+    assert len(generator.latencies()) == generator.offered["requests"]
+    # 20 keys of hash-like leading bytes touch every one of the 3 shards
+    assert set(generator.calls_of) == {3}
+
+
+def test_the_model_gives_the_documented_fleet_from_the_documented_inputs():
+    inputs = scale.ModelInputs(c_call=265e-6, c_pub=1.95e-6, c_query=2.58e-6, m_key=349, m_holder=220, source="docs/scale.md")
+    fleet = scale.fleet_model(inputs)
+    assert fleet["shards"] == 20 and fleet["cpu_shards"] == 20 and fleet["memory_shards"] == 10
+    assert fleet["cores"] == pytest.approx(9.9, abs=0.05)
+    assert fleet["calls_per_s"] == pytest.approx(19.8e3, rel=0.01)
+    assert fleet["memory_bytes"] == pytest.approx(39.3e9, rel=0.01)
+    # publishes alone take every shard's half core: no number of shards is enough
+    assert scale.fleet_model(inputs, flush_s=0.5)["shards"] == math.inf
+
+
+def test_the_fitted_cost_per_call_explains_the_points():
+    c_call, c_pub, c_query = 300e-6, 2e-6, 3e-6
+    points = [
+        {"calls_per_s": calls, "events_per_s": events, "queried_keys_per_s": keys,
+         "directory_cores": calls * c_call + events * c_pub + keys * c_query}
+        for calls, events, keys in ((100, 5000, 900), (800, 20000, 3600), (3000, 25000, 3600))
+    ]
+    assert scale.fitted_call_cost(points, c_pub, c_query) == pytest.approx(c_call)
+
+
+def test_requests_start_with_the_load_not_with_the_fill():
+    """A long fill must not leave a backlog of requests that all go out at the first step."""
+    shards = [FakeShard() for _ in range(2)]
+    clock = Clock()
+    rates = scale.LoadRates(events_per_s=0, requests_per_s=1.0, query_keys=10, flush_s=2.0, held=64)
+    generator = scale.LoadGenerator(NAMESPACE, "node0", [1, 2], shards, rates, clock=clock)
+    generator.fill(clock())
+    clock.now += 30.0  # the fill's drain took long
+    drain(generator, shards, clock)
+    generator.start(clock())
+    clock.now += 1.0
+    generator.step(clock())
+    assert generator.offered["requests"] == 2
