@@ -714,7 +714,7 @@ def _busy(publisher: Publisher) -> bool:
         return False
     if future.exception() is not None:
         return True
-    _, known = future.result()
+    _, known, _ = future.result()
     return not known
 
 
@@ -725,7 +725,7 @@ def _no_wake() -> None:
 def _hits(future: Future) -> int:
     """Keys of a query call's answer that have a holder; -1 if the call failed."""
     try:
-        return sum(1 for holders in unpack(future.result()) if holders)
+        return sum(1 for holders in unpack(future.result())[0] if holders)
     except Exception:
         return -1
 

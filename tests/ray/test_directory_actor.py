@@ -247,7 +247,7 @@ def test_register_refuses_a_pool_of_another_namespace(namespace):
             ray.get(shard.register.remote(info, 1, pack([(key, 0, 1)]), namespace=namespace))
     # nothing of them was applied
     assert [r["replica_id"] for r in ray.get(shard.replicas.remote())] == ["a"]
-    assert unpack(ray.get(shard.query.remote([key], namespace=namespace))) == [()]
+    assert unpack(ray.get(shard.query.remote([key], namespace=namespace)))[0] == [()]
 
 
 def test_registers_and_publishes_are_answered_while_the_followers_loop_is_busy(namespace):
@@ -282,7 +282,7 @@ def test_registers_and_publishes_are_answered_while_the_followers_loop_is_busy(n
     # answered while the followers' loop is held; on one loop they would wait for it
     assert ray.get(shard.register.remote(info, 1, pack([]), namespace=namespace), timeout=30)[1]
     assert ray.get(shard.publish.remote("a", 2, pack(([(key, 3, 1)], [])), None, namespace=namespace), timeout=30)[1]
-    assert unpack(ray.get(shard.query.remote([key], namespace=namespace), timeout=30)) == [(("a", node_id, 3, 1),)]
+    assert unpack(ray.get(shard.query.remote([key], namespace=namespace), timeout=30))[0] == [(("a", node_id, 3, 1),)]
     assert ray.wait([poll], timeout=0)[1] == [poll]  # the poll is still held
     ray.get(shard.release.remote())
     ray.get(held)
