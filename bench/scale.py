@@ -514,9 +514,10 @@ class LoadRates:
     def __post_init__(self) -> None:
         if not (self.events_per_s >= 0 and self.requests_per_s >= 0 and self.flush_s > 0):
             raise ValueError(f"{self}: rates must be >= 0 and flush_s > 0")
-        if not (self.query_keys >= 1 and self.held > self.query_keys + self.events_per_s * self.flush_s):
+        if not (self.query_keys >= 1 and self.held > 2 * self.query_keys + self.events_per_s * self.flush_s):
             raise ValueError(
-                f"{self}: held must exceed query_keys and two flush intervals of stores, so that a request's keys are published"
+                f"{self}: held must exceed two requests of query_keys and two flush intervals of stores, so that a "
+                "request's keys are published"
             )
 
 
@@ -534,10 +535,11 @@ class LoadGenerator:
     `events_per_s` / 2 each a second. Its changes go through the product's `Publisher`, one
     per shard, each stepped once every `flush_s` (the replicas' phases spread over the
     interval), so that one publish per shard carries a flush interval's changes and is the
-    heartbeat too. A request asks about the `query_keys` oldest keys the next replica of
-    the process holds (stored more than two flush intervals ago, so each should hit): one
-    `query` call per shard those keys live on, sent at once, the request answered when the
-    last lands.
+    heartbeat too. A replica's keys come in prefixes of `query_keys`, each placed on the
+    shard of its first key, as replicas place a request's prefix. A request asks about the
+    oldest whole prefix the next replica of the process holds (stored more than two flush
+    intervals ago, so each key should hit): one `query` call, to the shard of that prefix
+    (one per shard its keys live on), the request answered when the last lands.
 
     Accounting: `offered` counts the stores and evictions handed to the publishers and the
     requests, calls and keys sent; `answers` collects (request, time.monotonic(), hits)
@@ -642,20 +644,21 @@ class LoadGenerator:
         if carries and publisher.publishing is not None and publisher.publishing is not before:
             self._carrying[publisher] = publisher.publishing
 
+    def _shard(self, index: int, i: int) -> int:
+        """The shard of replica `index`'s i-th key: that of its prefix's first key."""
+        return shard_of(load_key(index, i - i % self.rates.query_keys), self.num_shards)
+
     def _store(self, r: int, count: int, now: float, evict: bool = False) -> None:
         index, publishers, held = self.replicas[r], self.publishers[r], self.rates.held
-        num_shards = self.num_shards
         first = self.next_key[r]
         touched = set()
         for i in range(first, first + count):
-            k = load_key(index, i)
-            s = shard_of(k, num_shards)
-            publishers[s].store(k, i % held, i)
+            s = self._shard(index, i)
+            publishers[s].store(load_key(index, i), i % held, i)
             touched.add(s)
             if evict:
-                old = load_key(index, i - held)
-                s = shard_of(old, num_shards)
-                publishers[s].remove(old)
+                s = self._shard(index, i - held)
+                publishers[s].remove(load_key(index, i - held))
                 touched.add(s)
         self.next_key[r] = first + count
         if evict:
@@ -667,10 +670,12 @@ class LoadGenerator:
     def _request(self, r: int) -> None:
         target = (r + 1) % len(self.replicas)
         start = self.next_key[target] - self.rates.held
-        keys = [load_key(self.replicas[target], i) for i in range(start, start + self.rates.query_keys)]
+        start += -start % self.rates.query_keys  # the oldest whole prefix
+        index = self.replicas[target]
         by_shard: dict[int, list[bytes]] = collections.defaultdict(list)
-        for k in keys:
-            by_shard[shard_of(k, self.num_shards)].append(k)
+        for i in range(start, start + self.rates.query_keys):
+            by_shard[self._shard(index, i)].append(load_key(index, i))
+        keys = [k for shard_keys in by_shard.values() for k in shard_keys]
         request = len(self.sent_at)
         self.sent_at.append(self.clock())
         self.calls_of.append(len(by_shard))

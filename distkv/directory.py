@@ -823,8 +823,9 @@ class DirectoryLink:
         result: list[tuple[Holder, ...]] = [()] * len(keys)
         for future in futures:
             for i, holders in enumerate(unpack(future.result())[0]):
-                if holders:
-                    result[i] += tuple(map(Holder._make, holders))
+                for holder in holders:  # a replica once, should two shards list it
+                    if all(h.replica_id != holder[0] for h in result[i]):
+                        result[i] += (Holder._make(holder),)
         return result
 
     # Everything below runs on the link's thread.

@@ -95,9 +95,9 @@ def node_transports(mode: str, pool: HostPool, object_store: "Transport") -> "No
 def joining_view(view: str, shard: Any) -> str:
     """The `view` a joining replica's DirectoryLink starts with, for `directory_view` = view.
 
-    "auto" queries at once when the namespace has more than AUTO_PUSH_MAX_REPLICAS replicas
-    registered already (`shard` is one of its shard actors: every replica registers with
-    each), or when the Directory does not say: following would start with a snapshot of every
+    "auto" queries at once when the namespace has AUTO_PUSH_MAX_REPLICAS replicas registered
+    already, so that it would have more with this one (`shard` is one of its shard actors:
+    every replica registers with each), or when the Directory does not say: following would start with a snapshot of every
     block, the cost that querying avoids at scale, while a small namespace that queries only
     waits one round trip on a miss. Else it follows, and switches to querying for good once
     its view shows the namespace grew past the bound.

@@ -296,7 +296,7 @@ def test_node_loss(cluster, replicas):
 
     (shard,) = get_or_create_shards(group.namespace, 1)
     while True:
-        holders = unpack(ray.get(shard.query.remote(doc_keys + late_keys, namespace=group.namespace), timeout=10))
+        holders = unpack(ray.get(shard.query.remote(doc_keys + late_keys, namespace=group.namespace), timeout=10))[0]
         views = ray.get([a.holders.remote(doc_keys + late_keys) for a in (y, z, w)], timeout=10)
         if not any(h[0] == "x" for hs in holders for h in hs) and not any("x" in hs for v in views for hs in v):
             break
