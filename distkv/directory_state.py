@@ -233,6 +233,31 @@ class _Replica:
         self.report: dict | None = None  # its latest stats, as its link sent them
 
 
+class Lateness:
+    """How long a call that a shard takes now may have waited for it: the worst lateness of
+    the shard's own periodic wake-ups over the last `window_s`.
+
+    A shard that was stopped, starved of CPU or swamped with calls wakes late by about as
+    long as a replica's heartbeat has waited in its queue, so a replica's silence counts
+    against its timeout only beyond that (see `DirectoryState.expire`'s callers).
+    """
+
+    def __init__(self, window_s: float) -> None:
+        self._window_s = window_s
+        self._late: collections.deque[tuple[float, float]] = collections.deque()  # (when, seconds late)
+
+    def woke(self, due: float, now: float) -> None:
+        """A wake-up due at `due` ran at `now`."""
+        late = self._late
+        late.append((now, max(0.0, now - due)))
+        while late[0][0] < now - self._window_s:
+            late.popleft()
+
+    def worst(self) -> float:
+        """The longest a wake-up of the window ran late (0 before any)."""
+        return max((seconds for _, seconds in self._late), default=0.0)
+
+
 class ChangeLog:
     """A shard's numbered changes and the cursors that point into them.
 

@@ -27,6 +27,7 @@ from distkv.abstract import OffloadKey
 from distkv.directory_state import (
     Cursor,
     DirectoryState,
+    Lateness,
     ReplicaInfo,
     check_namespace,
     check_stored,
@@ -60,6 +61,7 @@ class DirectoryShard:
     def __init__(self, replica_timeout_s: float = REPLICA_TIMEOUT_S, namespace: str = "", shard: int = 0) -> None:
         self._state = DirectoryState()
         self._replica_timeout_s = replica_timeout_s
+        self._lateness = Lateness(replica_timeout_s)
         self._namespace = namespace
         self._shard = shard
         metrics.register(metrics.DirectorySource(self._state, namespace, shard, metrics.this_node()))
@@ -176,10 +178,13 @@ class DirectoryShard:
         self._changed = asyncio.Event()
 
     async def _watch(self) -> None:
-        """Drop replicas on nodes Ray reports dead, and replicas that stopped heartbeating."""
+        """Drop replicas on nodes Ray reports dead, and replicas that stopped heartbeating
+        (silent past their timeout and past how late this shard has been running)."""
         loop = asyncio.get_running_loop()
         while True:
+            due = time.monotonic() + NODE_POLL_S
             await asyncio.sleep(NODE_POLL_S)
+            self._lateness.woke(due, time.monotonic())
             try:
                 nodes = await loop.run_in_executor(None, ray.nodes)
             except Exception as e:
@@ -190,7 +195,8 @@ class DirectoryShard:
                 for node in nodes:
                     if not node["Alive"]:
                         self._state.drop_node(node["NodeID"])
-                self._state.expire(time.monotonic(), self._replica_timeout_s)
+                # a heartbeat may have waited in the queue as long as this wake-up ran late
+                self._state.expire(time.monotonic(), self._replica_timeout_s + self._lateness.worst())
             self._notify(before)
 
 

@@ -1,4 +1,5 @@
 import os
+import signal
 import threading
 import time
 import uuid
@@ -21,6 +22,7 @@ from distkv.names import segment_name
 from ray_actors.directory import (
     FOLLOWERS_GROUP,
     MAX_FOLLOWERS,
+    NODE_POLL_S,
     DirectoryShard,
     get_or_create_shards,
     kill_shards,
@@ -188,6 +190,31 @@ def test_replica_that_stops_heartbeating_expires(make_link, namespace):
     assert waited > 0.5
     assert visible(watcher, alive_keys, "alive")  # its link heartbeats
     assert ray.get(shard.stats.remote())["expired_replicas"] == 1
+
+
+def test_a_shard_stopped_past_the_timeout_expires_no_live_replica(make_link, namespace):
+    """A shard's process stopped (SIGSTOP: a long GC pause, a starved or swapped host) for
+    longer than the replica timeout: its replicas' heartbeats wait in its queue meanwhile,
+    so when it runs again it must not take their silence for death."""
+    timeout_s = 3 * HEARTBEAT_INTERVAL_S
+    (shard,) = get_or_create_shards(namespace, 1, replica_timeout_s=timeout_s)
+    alive, watcher = make_link("alive", 1), make_link("watcher", 1)
+    keys = new_keys(3)
+    alive.stored([(k, i, 1) for i, k in enumerate(keys)])
+    wait_for(lambda: visible(watcher, keys, "alive"), 10)
+    pid = ray.get(shard.__ray_call__.remote(lambda self: os.getpid()))
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        time.sleep(2 * timeout_s)
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    # the shard's watcher runs every NODE_POLL_S: give it a few rounds after the stop
+    wait_for(lambda: ray.get(shard.stats.remote())["publishes"] > 0, 10)
+    time.sleep(3 * NODE_POLL_S)
+    stats = ray.get(shard.stats.remote())
+    assert stats["expired_replicas"] == 0, stats
+    assert stats["registers"] == 2, stats  # nobody had to register again
+    assert visible(watcher, keys, "alive")
 
 
 def test_replica_the_directory_forgot_publishes_again(make_link, namespace):

@@ -134,6 +134,26 @@ def test_drop_node(state):
     assert state.stats()["replicas"] == 1 and state.stats()["holders"] == 2
 
 
+def test_a_shard_that_ran_late_expires_no_replica_whose_heartbeat_waited_in_its_queue(state, clock):
+    """A shard stopped (or starved) for longer than the timeout wakes late by about as long
+    as heartbeats waited for it; its silence counts only past that, as the shard's actor
+    expires replicas (`timeout + Lateness.worst()`)."""
+    timeout_s = 5.0
+    lateness = directory_state.Lateness(timeout_s)
+    state.unregister("b")  # "a", heard from at 0, alone
+    lateness.woke(1.0, 1.0)
+    lateness.woke(2.0, 14.0)  # stopped from 2 to 14: the heartbeats of 2..14 are queued
+    assert lateness.worst() == 12.0
+    assert state.expire(14.0, timeout_s + lateness.worst()) == []  # not before its queued heartbeat
+    clock.now = 14.1
+    assert state.publish("a", 2, [], [])  # the queued heartbeat, taken
+    lateness.woke(15.0, 15.0)
+    assert state.expire(15.0, timeout_s + lateness.worst()) == []
+    lateness.woke(20.0, 20.0)  # the late wake-up leaves the window...
+    assert lateness.worst() == 0.0
+    assert state.expire(20.0, timeout_s + lateness.worst()) == ["a"]  # ...and a silent replica expires again
+
+
 def test_expire_drops_silent_replicas_and_publish_is_a_heartbeat(state, clock):
     state.publish("a", 1, [(key(1), 1, 1)], [])
     state.publish("b", 1, [(key(2), 1, 1)], [])
