@@ -4,55 +4,24 @@ and beside replicas that follow it, through the real shards and spec on one loca
 import time
 import uuid
 
-import numpy as np
 import pytest
 import ray
 
 from distkv.directory_state import shard_of
 from distkv.harness import Replica, block_keys
-from distkv.spec import ClusterOffloadingSpec
-from ray_actors.directory import get_or_create_shards, kill_shards
+from ray_actors.directory import get_or_create_shards
+from test_cluster_ray import BLOCK_TOKENS, prompt
+from test_cluster_ray import replicas as any_replicas  # noqa: F401 (a fixture)
 
-BLOCK_TOKENS = 16
-PAGE_BYTES = 32 << 10
 SHARDS = 2
 # A generous bound for what is not under test: a store reaching the Directory.
 SETUP_TIMEOUT_S = 60.0
 
 
-def make_replica(salt: str, view: str) -> Replica:
-    spec = ClusterOffloadingSpec.from_layout(
-        {
-            "cpu_bytes_to_use": 128 * 2 * PAGE_BYTES,
-            "tenant_salt": salt,
-            "directory_shards": SHARDS,
-            "directory_view": view,
-        },
-        gpu_block_sizes=[BLOCK_TOKENS],
-        group_page_bytes=[2 * PAGE_BYTES],
-        engine_id=f"r{uuid.uuid4().hex[:8]}",
-    )
-    return Replica(spec, num_gpu_blocks=64, page_bytes=PAGE_BYTES, step_s=0.002)
-
-
 @pytest.fixture
-def replicas(ray_session):
-    made: list[Replica] = []
-
-    def make(*args):
-        made.append(make_replica(*args))
-        return made[-1]
-
-    yield make
-    namespaces = {r.spec.namespace for r in made}
-    for r in made:
-        r.shutdown()
-    for ns in namespaces:
-        kill_shards(ns)
-
-
-def prompt(seed: int, blocks: int = 32) -> np.ndarray:
-    return np.random.default_rng(seed).integers(0, 50_000, blocks * BLOCK_TOKENS)
+def replicas(any_replicas):
+    """Make a replica of a namespace of SHARDS shards that learns what others hold by `view`."""
+    return lambda salt, view: any_replicas(salt, directory_shards=SHARDS, directory_view=view)
 
 
 def stored_in_directory(replica: Replica, keys: list[bytes]) -> None:
