@@ -97,6 +97,7 @@ from distkv.directory import Changes, Cursor, DirectoryState, Publisher, Replica
 from distkv.errors import ErrorLog  # noqa: E402
 from distkv.names import segment_name  # noqa: E402
 from distkv.spec import ClusterOffloadingSpec  # noqa: E402
+from distkv.relay import PublishRelay, RelayedShard  # noqa: E402
 from ray_actors.directory import get_or_create_shards, kill_shards, shard_clients  # noqa: E402
 
 MiB = 1 << 20
@@ -743,11 +744,22 @@ IDLE_S = 2.0  # the shards' CPU with no calls, measured for this long before the
 
 @ray.remote(num_cpus=0)
 class LoadProcess:
-    """One process of lightweight replicas: a `LoadGenerator` over the namespace's shards."""
+    """One process of lightweight replicas: a `LoadGenerator` over the namespace's shards.
 
-    def __init__(self, namespace: str, num_shards: int, replicas: list[int], rates: LoadRates) -> None:
+    `relayed`: the replicas publish through a `PublishRelay` in this process, as a node's
+    queried replicas publish through their NodeAgent's (the process stands for the node;
+    the hop from a replica to its agent, a call on its own node, is not the Directory's
+    cost); else each to the shards itself."""
+
+    def __init__(self, namespace: str, num_shards: int, replicas: list[int], rates: LoadRates, relayed: bool) -> None:
         node_id = ray.get_runtime_context().get_node_id()
-        self.generator = LoadGenerator(namespace, node_id, replicas, shard_clients(namespace, num_shards), rates)
+        clients = shard_clients(namespace, num_shards)
+        self.relay = None
+        if relayed:
+            self.relay = PublishRelay(namespace, clients)
+            self.relay.start()
+            clients = [RelayedShard(client, i, namespace, self.relay.publish) for i, client in enumerate(clients)]
+        self.generator = LoadGenerator(namespace, node_id, replicas, clients, rates)
 
     def fill(self) -> None:
         """Register every replica with its `held` keys, and wait until the shards have them."""
@@ -807,8 +819,9 @@ def shard_processes(count: int, timeout_s: float = 60.0) -> list[psutil.Process]
         time.sleep(0.2)
 
 
-# the shard's operation counters that are each one call
-CALL_COUNTERS = ("registers", "unregisters", "publishes", "ignored_publishes", "unknown_publishes", "queries")
+# the shard's operation counters that are each one call, but for the publishes a relay
+# carried (`relayed_publishes`), which came in `relay_calls`
+CALL_COUNTERS = ("registers", "unregisters", "publishes", "ignored_publishes", "unknown_publishes", "queries", "relay_calls")
 
 
 def shards_stats(handles: list) -> collections.Counter:
@@ -818,7 +831,9 @@ def shards_stats(handles: list) -> collections.Counter:
     return total
 
 
-def generator_scale(replica_counts: list[int], shard_counts: list[int], rates: LoadRates, seconds: float) -> list[dict[str, Any]]:
+def generator_scale(
+    replica_counts: list[int], shard_counts: list[int], rates: LoadRates, seconds: float, paths: Sequence[str]
+) -> list[dict[str, Any]]:
     """Per (shards, replicas): the Directory's CPU, calls, events and query latency under
     the lightweight replicas' load; see the module docstring."""
     token_auth_on()
@@ -835,21 +850,24 @@ def generator_scale(replica_counts: list[int], shard_counts: list[int], rates: L
         node_ids = [n["NodeID"] for n in ray.nodes() if n["Alive"]]
         for num_shards in shard_counts:
             for num_replicas in replica_counts:
-                rows.append(generator_point(num_replicas, num_shards, rates, seconds, node_ids))
-                r = rows[-1]
-                print(
-                    f"  {num_replicas} replicas, {num_shards} shards: {r['directory_cores']:.3f} cores, "
-                    f"{r['directory_cpu_us_per_event']:.1f} us/event, query p99 {r['query_p99_ms']:.1f} ms, "
-                    f"lost {r['events_lost']}, load {r['load_average'][0]:.1f}",
-                    file=sys.stderr, flush=True,
-                )
+                for path in paths:
+                    rows.append(generator_point(num_replicas, num_shards, rates, seconds, node_ids, path))
+                    r = rows[-1]
+                    print(
+                        f"  {num_replicas} replicas, {num_shards} shards, {path}: {r['directory_cores']:.3f} cores, "
+                        f"{r['directory_cpu_us_per_event']:.1f} us/event, query p99 {r['query_p99_ms']:.1f} ms, "
+                        f"lost {r['events_lost']}, load {r['load_average'][0]:.1f}",
+                        file=sys.stderr, flush=True,
+                    )
     finally:
         ray.shutdown()
         cluster.shutdown()
     return rows
 
 
-def generator_point(num_replicas: int, num_shards: int, rates: LoadRates, seconds: float, node_ids: list[str]) -> dict[str, Any]:
+def generator_point(
+    num_replicas: int, num_shards: int, rates: LoadRates, seconds: float, node_ids: list[str], path: str
+) -> dict[str, Any]:
     namespace = f"scale{uuid.uuid4().hex[:12]}"
     handles = get_or_create_shards(namespace, num_shards)
     processes: list = []
@@ -859,7 +877,7 @@ def generator_point(num_replicas: int, num_shards: int, rates: LoadRates, second
         count = min(GENERATOR_PROCESSES, num_replicas)
         processes = [
             LoadProcess.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node_ids[p % len(node_ids)], soft=False)).remote(
-                namespace, num_shards, list(range(p, num_replicas, count)), rates
+                namespace, num_shards, list(range(p, num_replicas, count)), rates, path == "relayed"
             )
             for p in range(count)
         ]
@@ -888,11 +906,15 @@ def generator_point(num_replicas: int, num_shards: int, rates: LoadRates, second
     q = statistics.quantiles(latencies, n=100, method="inclusive") if len(latencies) > 1 else [float("nan")] * 99
     events_offered = offered["stored"] + offered["removed"]
     events_applied = delta.get("stored", 0) + delta.get("removed", 0)
-    calls = sum(delta.get(k, 0) for k in CALL_COUNTERS)
+    calls = sum(delta.get(k, 0) for k in CALL_COUNTERS) - delta.get("relayed_publishes", 0)
+    publish_calls = sum(delta.get(k, 0) for k in ("publishes", "ignored_publishes", "unknown_publishes", "relay_calls")) - delta.get(
+        "relayed_publishes", 0
+    )
     directory_cpu = sum(cpu)
     return {
         "replicas": num_replicas,
         "shards": num_shards,
+        "publish_path": path,
         "wall_s": wall,
         "load_average": load,
         "load_average_end": os.getloadavg(),
@@ -907,6 +929,7 @@ def generator_point(num_replicas: int, num_shards: int, rates: LoadRates, second
         "unknown_publishes": delta.get("unknown_publishes", 0),
         "events_per_s": events_applied / wall,
         "publishes": delta.get("publishes", 0) + delta.get("ignored_publishes", 0),
+        "publish_calls": publish_calls,
         "calls": calls,
         "calls_per_s": calls / wall,
         "requests": offered["requests"],
@@ -925,7 +948,7 @@ def generator_point(num_replicas: int, num_shards: int, rates: LoadRates, second
         "directory_cpu_us_per_call": directory_cpu / calls * 1e6 if calls else None,
         "directory_cpu_us_per_stats_call": per_call * 1e6,
         "directory_idle_cores": idle_cores,
-        "publishes_per_s": (delta.get("publishes", 0) + delta.get("ignored_publishes", 0)) / wall,
+        "publishes_per_s": publish_calls / wall,
         "generator_cores": sum(r["cpu_s"] for r in results) / wall,
         "directory_keys": after["keys"],
         "publish_errors": offered["publish_errors"],
@@ -1046,7 +1069,8 @@ def model_inputs(figures: dict[str, Any], source: str) -> ModelInputs:
 
 
 def print_model(inputs: ModelInputs) -> None:
-    m = fleet_model(inputs)
+    # the product's path: a queried replica publishes through its node's relay
+    m = fleet_model(inputs, replicas_per_publisher=NODE_REPLICAS)
     print(f"model inputs ({inputs.source}):")
     print(
         f"  c_call {inputs.c_call * 1e6:.0f} us/call, c_idle {inputs.c_idle:.3f} cores/shard, c_pub {inputs.c_pub * 1e6:.2f} us/event, "
@@ -1054,30 +1078,40 @@ def print_model(inputs: ModelInputs) -> None:
     )
     print(
         f"model for {m['replicas']:,} replicas and {m['blocks'] / 1e6:.0f}M blocks (e = {MODEL_EVENTS_PER_S}/s, "
-        f"r = {MODEL_REQUESTS_PER_S:.2f}/s, q = {MODEL_QUERY_KEYS} per replica; publishes every {FLEET_FLUSH_S:g} s; "
-        f"a request one query call):"
+        f"r = {MODEL_REQUESTS_PER_S:.2f}/s, q = {MODEL_QUERY_KEYS} per replica; a request one query call; publishes "
+        f"relayed by nodes of {NODE_REPLICAS} replicas, one call per node per shard every {FLEET_FLUSH_S:g} s):"
     )
     print(
         f"  shards {m['shards']} (CPU {m['cpu_shards']}, memory {m['memory_shards']}); calls {m['calls_per_s'] / 1e3:.1f}k/s; "
         f"Directory CPU {m['cores']:.1f} cores; memory {m['memory_bytes'] / 1e9:.1f} GB"
     )
-    if m["shards"] == math.inf:
-        print(
-            f"  no number of shards suffices: each shard's publishes from {m['replicas']:,} replicas every {FLEET_FLUSH_S:g} s "
-            f"take more than its {SHARD_CORES} core; the flush interval must exceed {m['min_flush_s']:.1f} s "
-            f"(or publishes be aggregated per node)"
-        )
     for label, alt in (
-        ("publishes every 5 s", fleet_model(inputs, flush_s=5.0)),
-        (f"one publisher per node of {NODE_REPLICAS} replicas, every {FLEET_FLUSH_S:g} s", fleet_model(inputs, replicas_per_publisher=NODE_REPLICAS)),
+        (f"each replica publishing itself every {FLEET_FLUSH_S:g} s", fleet_model(inputs)),
+        ("each replica publishing itself every 5 s", fleet_model(inputs, flush_s=5.0)),
     ):
-        print(f"  with {label}: shards {alt['shards']}, calls {alt['calls_per_s'] / 1e3:.1f}k/s, Directory CPU {alt['cores']:.1f} cores")
+        if alt["shards"] == math.inf:
+            print(
+                f"  with {label}: no number of shards suffices (a shard's publishes take more than its {SHARD_CORES} core; "
+                f"the interval must exceed {alt['min_flush_s']:.1f} s)"
+            )
+        else:
+            print(f"  with {label}: shards {alt['shards']}, calls {alt['calls_per_s'] / 1e3:.1f}k/s, Directory CPU {alt['cores']:.1f} cores")
 
 
 def counts_arg(text: str) -> list[int]:
     values = [int(v) for v in text.split(",") if v]
     if values != sorted(values) or (values and values[0] < 1):
         raise argparse.ArgumentTypeError(f"{text!r}: ascending positive integers, comma-separated")
+    return values
+
+
+PUBLISH_PATHS = ("relayed", "direct")
+
+
+def paths_arg(text: str) -> list[str]:
+    values = [v for v in text.split(",") if v]
+    if not values or any(v not in PUBLISH_PATHS for v in values):
+        raise argparse.ArgumentTypeError(f"{text!r}: comma-separated, of {', '.join(PUBLISH_PATHS)}")
     return values
 
 
@@ -1142,13 +1176,13 @@ def print_generator(points: list[dict[str, Any]], rates: LoadRates, model: dict[
         f"what this machine can generate); publishes every {rates.flush_s:g} s; {rates.held} keys held each"
     )
     print(
-        f"{'replicas':>8} {'shards':>6} {'load':>5} {'offered ev':>11} {'applied':>9} {'lost':>5} {'calls/s':>8} {'Dir cores':>9} "
+        f"{'replicas':>8} {'shards':>6} {'publish':>8} {'load':>5} {'offered ev':>11} {'applied':>9} {'lost':>5} {'calls/s':>8} {'Dir cores':>9} "
         f"{'idle':>6} {'busiest':>8} {'us/event':>9} {'@model e':>9} {'us/call':>8} {'us/stats':>9} {'calls/req':>9} "
         f"{'q p50 ms':>9} {'q p99 ms':>9} {'hit':>5} {'model':>7} {'refit':>7} {'gen cores':>9}"
     )
     for p, m in zip(points, model["points"]):
         print(
-            f"{p['replicas']:>8} {p['shards']:>6} {p['load_average'][0]:>5.1f} {p['events_offered']:>11,} {p['events_applied']:>9,} "
+            f"{p['replicas']:>8} {p['shards']:>6} {p.get('publish_path', 'direct'):>8} {p['load_average'][0]:>5.1f} {p['events_offered']:>11,} {p['events_applied']:>9,} "
             f"{p['events_lost']:>5} {p['calls_per_s']:>8,.0f} {p['directory_cores']:>9.3f} {p['directory_idle_cores']:>6.3f} "
             f"{p['busiest_shard_cores']:>8.3f} {p['directory_cpu_us_per_event'] or float('nan'):>9.1f} "
             f"{m['us_per_event_at_model_rates'] or float('nan'):>9.1f} {p['directory_cpu_us_per_call'] or float('nan'):>8.0f} "
@@ -1173,6 +1207,11 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=20.0, help="load per lightweight point (default 20)")
     parser.add_argument("--events-per-s", type=float, default=100.0, help="stores and evictions offered per lightweight replica (default 100)")
     parser.add_argument("--requests-per-s", type=float, default=0.2, help="requests offered per lightweight replica (default 0.2)")
+    parser.add_argument(
+        "--publish", type=paths_arg, default=["relayed"],
+        help="how lightweight replicas publish, each measured in turn: 'relayed' (through their node's relay, as queried "
+        "replicas do) and/or 'direct' (each to every shard); default relayed",
+    )
     parser.add_argument("--view-replicas", type=counts_arg, default=[], help="real replicas following pushed views, ascending, at least 2 (default none)")
     parser.add_argument("--view-seconds", type=float, default=5.0, help="churn per view replica count (default 5)")
     parser.add_argument("--json", type=Path, help="also write the figures here")
@@ -1202,7 +1241,7 @@ def main() -> None:
         figures["replicas"] = replicas_scale(args.view_replicas, args.view_seconds)
         print_view_replicas(figures["replicas"])
     if args.replicas:
-        figures["generator"] = generator_scale(args.replicas, args.shards, rates, args.seconds)
+        figures["generator"] = generator_scale(args.replicas, args.shards, rates, args.seconds, args.publish)
         figures["generator_rates"] = dataclasses.asdict(rates)
         figures["generator_model"] = generator_model(figures["generator"], figures["state"])
         print_generator(figures["generator"], rates, figures["generator_model"])

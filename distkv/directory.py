@@ -606,13 +606,24 @@ class DirectoryLink:
     infos of the replicas they name for `replica`. It publishes as a following link does:
     the two kinds share one namespace.
 
-    `shards`: the namespace's shards, in order. A block goes to the shard its manager
+    `shards`: the namespace's shards, in order; `relayed`: the same shards with their
+    publishes carried by the node's relay (`distkv.relay`), which a queried link publishes
+    through: beyond a few replicas a shard's calls, not their changes, are its cost. A block goes to the shard its manager
     placed it on (`ready`, `promoted`, `dropped`: its block's `shard`), or, from `stored` and
     `removed`, to its own key's (`shard_of(key, len(shards))`).
     Usage: `link = DirectoryLink(ns, info, shards); link.start(); ...; link.close()`.
     """
 
-    def __init__(self, namespace: str, info: ReplicaInfo, shards: Sequence[ShardClient], view: str = "push") -> None:
+    def __init__(
+        self,
+        namespace: str,
+        info: ReplicaInfo,
+        shards: Sequence[ShardClient],
+        view: str = "push",
+        relayed: Sequence[ShardClient] | None = None,
+    ) -> None:
+        if relayed is not None and len(relayed) != len(shards):
+            raise ValueError(f"DirectoryLink: {len(relayed)} relayed shards for {len(shards)} shards")
         if not isinstance(info, ReplicaInfo):
             raise ValueError(f"DirectoryLink: info {info!r} is not a ReplicaInfo")
         if not shards:
@@ -650,6 +661,7 @@ class DirectoryLink:
         # when the answers expire (oldest first), and the infos the answers brought.
         self.queried = False
         self._switches = view == "auto"
+        self._relayed = relayed
         self._asked: set[OffloadKey] = set()
         self._wanted: collections.deque[OffloadKey] = collections.deque()
         self._expiry: collections.deque[tuple[float, list[OffloadKey]]] = collections.deque()
@@ -899,6 +911,9 @@ class DirectoryLink:
         self._switches = False
         self.queried = True
         self._holders.clear()
+        if self._relayed is not None:
+            for publisher, client in zip(self._publishers, self._relayed):
+                publisher.client = client
 
     def _run(self) -> None:
         timeout = 0.0

@@ -29,6 +29,9 @@ LogEntry = tuple[str, str, list[StoredEntry], list[OffloadKey]]
 # A Holder's fields in a plain tuple, as the Directory keeps and sends them: a plain tuple
 # pickles without a Python call, several times faster than a NamedTuple.
 HolderFields = tuple[str, str, int, int]
+# (replica_id, seq, packed (stored, removed), report or None): one replica's publish as a
+# relay carries it (`distkv.relay`), the arguments of its own publish call.
+Relayed = tuple[str, int, bytes, "dict | None"]
 
 
 class Holder(NamedTuple):
@@ -463,6 +466,30 @@ class DirectoryState:
         self._ops["removed"] += len(removed)
         self._log.append((replica_id, node_id, list(stored), list(removed)))
         return True
+
+    def publish_relayed(self, items: Sequence[Relayed]) -> list[bool | str]:
+        """Apply the publishes a relay carried in one call, each as its own `publish` (and
+        `set_report`): per item, whether its replica is registered, or why the item was
+        refused (a str; that item changed nothing, the others are applied all the same)."""
+        if not isinstance(items, (list, tuple)):
+            raise ValueError(f"publish_relayed: items {type(items).__name__} is not a list")
+        results: list[bool | str] = []
+        for item in items:
+            try:
+                replica_id, seq, changes, report = item
+                stored, removed = unpack(changes)
+                if report is not None and not isinstance(report, dict):
+                    raise ValueError(f"report {report!r} is not a dict")
+                known = self.publish(replica_id, seq, stored, removed)
+            except Exception as e:  # one replica's bad publish must not refuse the node's others
+                results.append(f"relayed publish {str(item)[:80]}: {type(e).__name__}: {e}")
+                continue
+            if known and report is not None:
+                self.set_report(replica_id, report)
+            results.append(known)
+        self._ops["relay_calls"] += 1
+        self._ops["relayed_publishes"] += len(items)
+        return results
 
     def set_report(self, replica_id: str, report: dict) -> bool:
         """Keep a registered replica's latest stats (what `distkv status` shows); whether it is registered."""

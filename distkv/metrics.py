@@ -121,7 +121,8 @@ METRICS: dict[str, MetricDef] = {
         MetricDef("distkv_directory_replicas", GAUGE, "Replicas registered with the shard", SHARD_TAGS),
         MetricDef("distkv_directory_operations", COUNTER,
                   "Shard operations by op: registers, unregisters, publishes, ignored_publishes, unknown_publishes, "
-                  "stored, removed (keys), queries, queried_keys, snapshots, dropped_replicas, expired_replicas",
+                  "stored, removed (keys), queries, queried_keys, snapshots, dropped_replicas, expired_replicas, "
+                  "relay_calls, relayed_publishes",
                   SHARD_TAGS + ("op",)),
         # the NodeAgents
         MetricDef("distkv_node_agent_reads", COUNTER, "Read calls a NodeAgent served for other nodes", ("node",)),

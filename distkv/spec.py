@@ -120,7 +120,7 @@ def join_cluster(plan: ReplicaPlan, pool: HostPool, local: LocalOffloadingManage
     """The replica's manager in its Ray cluster.
 
     Joins the cluster (`ray_address`; none starts an embedded local Ray), makes sure this
-    node's NodeAgent runs, registers the replica with the Directory, waits (up to
+    node's NodeAgent runs (a queried link publishes through it), registers the replica with the Directory, waits (up to
     DIRECTORY_SYNC_TIMEOUT_S) for the Directory's view, so that the replica's first lookups
     already find what other replicas hold, and wraps `local`.
     `pool` is the scheduler's mapping of the replica's pool: it claims the replica's name
@@ -143,7 +143,8 @@ def join_cluster(plan: ReplicaPlan, pool: HostPool, local: LocalOffloadingManage
     from distkv.promotion import Promoter
     from distkv.transport import ObjectStoreTransport
     from ray_actors.directory import shard_clients
-    from ray_actors.node_agent import AgentFetch, start_node_agent
+    from distkv.relay import RelayedShard
+    from ray_actors.node_agent import AgentFetch, agent_relay, start_node_agent
 
     config = plan.config
     transport = node_transports(config.transport, pool, ObjectStoreTransport(pool, AgentFetch(plan.namespace)))
@@ -151,7 +152,8 @@ def join_cluster(plan: ReplicaPlan, pool: HostPool, local: LocalOffloadingManage
         if not ray.is_initialized():
             ray.init(address=config.ray_address, namespace=RAY_NAMESPACE)
         node_id = ray.get_runtime_context().get_node_id()
-        ray.get(start_node_agent(node_id).node_id.remote())
+        agent = start_node_agent(node_id)
+        ray.get(agent.node_id.remote())
     except BaseException:
         transport.close()
         raise
@@ -166,7 +168,9 @@ def join_cluster(plan: ReplicaPlan, pool: HostPool, local: LocalOffloadingManage
         endpoint=transport.endpoint,
     )
     shards = shard_clients(plan.namespace, config.directory_shards)
-    link = DirectoryLink(plan.namespace, info, shards, joining_view(config.directory_view, shards[0].actor))
+    relay = agent_relay(agent, plan.namespace, len(shards))
+    relayed = [RelayedShard(shard, i, plan.namespace, relay) for i, shard in enumerate(shards)]
+    link = DirectoryLink(plan.namespace, info, shards, joining_view(config.directory_view, shards[0].actor), relayed)
     link.start()
     if not link.wait_synced(DIRECTORY_SYNC_TIMEOUT_S):
         logger.warning(

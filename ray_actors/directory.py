@@ -28,6 +28,7 @@ from distkv.directory_state import (
     Cursor,
     DirectoryState,
     Lateness,
+    Relayed,
     ReplicaInfo,
     check_namespace,
     check_stored,
@@ -109,6 +110,17 @@ class DirectoryShard:
                 self._state.set_report(replica_id, report)
         self._notify(before)
         return self._state.epoch, known, self._state.publish_interval()
+
+    async def publish_many(self, items: list[Relayed], namespace: str) -> tuple[str, list[bool | str], float]:
+        """Apply the publishes of several replicas that a node's relay carried (`distkv.relay`),
+        each as its own `publish`; (epoch, per item whether its replica is registered or why
+        it was refused, the interval each replica is to leave between its calls)."""
+        self._check(namespace)
+        with self._lock:
+            before = self._state.cursor()
+            results = self._state.publish_relayed(items)
+        self._notify(before)
+        return self._state.epoch, results, self._state.publish_interval()
 
     async def unregister(self, replica_id: str, namespace: str) -> bool:
         self._check(namespace)
@@ -234,6 +246,9 @@ class ShardActorClient:
     def publish(self, replica_id: str, seq: int, changes: bytes, report: dict | None, namespace: str) -> Future:
         return self.actor.publish.remote(replica_id, seq, changes, report, namespace=namespace).future()
 
+    def publish_many(self, items: Sequence[Relayed], namespace: str) -> Future:
+        return self.actor.publish_many.remote(list(items), namespace=namespace).future()
+
     def unregister(self, replica_id: str, namespace: str) -> Future:
         return self.actor.unregister.remote(replica_id, namespace=namespace).future()
 
@@ -283,6 +298,16 @@ def get_or_create_shards(
             scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=True),
         ).remote(replica_timeout_s, namespace, shard)
         for shard, node_id in enumerate(nodes)
+    ]
+
+
+def find_shards(namespace: str, num_shards: int) -> list[ShardActorClient]:
+    """The `num_shards` shards of `namespace`'s Directory, which must exist, as `ShardActorClient`s."""
+    if not isinstance(num_shards, int) or num_shards < 1:
+        raise ValueError(f"num_shards={num_shards!r}: must be a positive int")
+    return [
+        ShardActorClient(ray.get_actor(shard_name(namespace, shard), namespace=RAY_NAMESPACE))
+        for shard in range(num_shards)
     ]
 
 

@@ -1,7 +1,10 @@
-"""NodeAgent: one per node, serving reads of that node's pool rows to other nodes."""
+"""NodeAgent: one per node, serving reads of that node's pool rows to other nodes and relaying
+the publishes of its queried replicas to the Directory."""
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import threading
 import time
 from concurrent.futures import Future
@@ -14,28 +17,43 @@ from distkv.abstract import OffloadKey
 from distkv.directory import ReplicaInfo
 from distkv.names import RAY_NAMESPACE, agent_name, check_pool_namespace
 from distkv.pool import PRUNE_INTERVAL_S, PoolLayout, PoolReaders, RowsRead, read_rows
+from distkv.relay import PublishRelay
+from ray_actors.directory import find_shards
 
 
+# Reads of pool rows the agent serves at once, each on a thread of its own: a read copies
+# rows, which releases the GIL.
+READ_THREADS = 8
+# Calls the agent runs at once: reads waiting for a thread, and the relayed publishes of
+# the node's replicas, one per replica and shard while it waits for the relay's call.
+MAX_CALLS = 1 << 14
 
-@ray.remote(num_cpus=0, max_concurrency=8)
+
+@ray.remote(num_cpus=0, max_concurrency=MAX_CALLS)
 class NodeAgent:
-    """Serves rows of a pool on this node to other nodes as one object in the object store.
+    """The node's side of distkv's traffic with other nodes.
 
-    The object is a read's result: the rows and their headers, which Ray copies from the
-    pool into this node's object store (straight from it for consecutive rows of one rank).
-    The caller owns it, so it lives exactly as long as the read that needs it, and it
-    stays in the object store if the agent dies meanwhile. The agent keeps the pools it
-    reads mapped (PoolReaders). The requester checks every slot it receives against its
-    checksum: a row rewritten while it was copied is a miss.
+    - `read_rows` serves rows of a pool on this node to other nodes as one object in the
+      object store: the rows and their headers, which Ray copies from the pool into this
+      node's object store (straight from it for consecutive rows of one rank). The caller
+      owns it, so it lives exactly as long as the read that needs it, and it stays in the
+      object store if the agent dies meanwhile. The agent keeps the pools it reads mapped
+      (PoolReaders). The requester checks every slot it receives against its checksum: a
+      row rewritten while it was copied is a miss.
+    - `relay` carries the publishes of the node's queried replicas to the Directory, a
+      `distkv.relay.PublishRelay` per cache namespace: one call per shard per interval
+      for the whole node.
     """
 
     def __init__(self) -> None:
         self._served = metrics.NodeAgentSource(metrics.this_node())
         self._pools = PoolReaders()
+        self._readers = concurrent.futures.ThreadPoolExecutor(READ_THREADS, thread_name_prefix="distkv-read-rows")
+        self._relays: dict[tuple[str, int], PublishRelay] = {}
         threading.Thread(target=self._prune_pools, name="distkv-prune-pools", daemon=True).start()
         metrics.register(self._served)
 
-    def read_rows(
+    async def read_rows(
         self,
         pool_name: str,
         layout: tuple[int, int, int],
@@ -51,6 +69,13 @@ class NodeAgent:
         a layout that is not one.
         """
         check_pool_namespace(pool_name, namespace)
+        return await asyncio.get_running_loop().run_in_executor(
+            self._readers, self._read_rows, pool_name, layout, rows, keys, generations
+        )
+
+    def _read_rows(
+        self, pool_name: str, layout: tuple[int, int, int], rows: list[int], keys: list[OffloadKey], generations: list[int]
+    ) -> RowsRead:
         with self._pools.reading(pool_name, PoolLayout(*layout)) as pool:
             if pool is None:
                 self._served.record(len(rows), None)
@@ -61,12 +86,27 @@ class NodeAgent:
         # closed meanwhile, `data` still maps its memory: closing leaves it to the GC.
         return data, metas
 
+    async def relay(
+        self, namespace: str, num_shards: int, shard: int, replica_id: str, seq: int, changes: bytes, report: dict | None
+    ) -> tuple[str, bool, float]:
+        """A replica's publish to `shard` of `namespace`'s `num_shards`, carried with the node's
+        others (`distkv.relay.PublishRelay.publish`); the shard's answer to it."""
+        relay = self._relays.get((namespace, num_shards))
+        if relay is None:
+            # looking the shards up asks Ray's GCS: not on the event loop
+            shards = await asyncio.get_running_loop().run_in_executor(None, find_shards, namespace, num_shards)
+            relay = self._relays.get((namespace, num_shards))
+            if relay is None:
+                relay = self._relays[(namespace, num_shards)] = PublishRelay(namespace, shards)
+                relay.start()
+        return await asyncio.wrap_future(relay.publish(shard, replica_id, seq, changes, report))
+
     def _prune_pools(self) -> None:
         while True:
             time.sleep(PRUNE_INTERVAL_S)
             self._pools.prune()
 
-    def node_id(self) -> str:
+    async def node_id(self) -> str:
         return ray.get_runtime_context().get_node_id()
 
 
@@ -98,3 +138,12 @@ class AgentFetch:
             info.pool_name, (info.num_rows, info.num_ranks, info.slot_bytes), rows, keys, generations,
             namespace=self._namespace,
         ).future()
+
+
+def agent_relay(agent: ray.actor.ActorHandle, namespace: str, num_shards: int):
+    """A replica's publishes through its node's `agent`: the `relay` a `distkv.relay.RelayedShard` takes."""
+
+    def relay(shard: int, replica_id: str, seq: int, changes: bytes, report: dict | None) -> Future:
+        return agent.relay.remote(namespace, num_shards, shard, replica_id, seq, changes, report).future()
+
+    return relay

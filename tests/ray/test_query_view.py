@@ -9,6 +9,7 @@ import ray
 
 from distkv.directory_state import shard_of
 from distkv.harness import Replica, block_keys
+from distkv.names import RAY_NAMESPACE, agent_name
 from ray_actors.directory import get_or_create_shards
 from test_cluster_ray import BLOCK_TOKENS, prompt
 from test_cluster_ray import replicas as any_replicas  # noqa: F401 (a fixture)
@@ -32,8 +33,16 @@ def stored_in_directory(replica: Replica, keys: list[bytes]) -> None:
         time.sleep(0.01)
 
 
+def shard_stats(namespace: str) -> list[dict]:
+    return ray.get([shard.stats.remote() for shard in get_or_create_shards(namespace, SHARDS)])
+
+
 def shard_queries(namespace: str) -> list[int]:
-    return [s["queries"] for s in ray.get([shard.stats.remote() for shard in get_or_create_shards(namespace, SHARDS)])]
+    return [s["queries"] for s in shard_stats(namespace)]
+
+
+def relayed_publishes(namespace: str) -> int:
+    return sum(s.get("relayed_publishes", 0) for s in shard_stats(namespace))
 
 
 def test_a_queried_replica_promotes_a_prefix_bit_exact_with_one_call_per_shard(replicas):
@@ -54,12 +63,31 @@ def test_a_queried_replica_promotes_a_prefix_bit_exact_with_one_call_per_shard(r
     calls = [n - m for n, m in zip(after, before)]
     root_shard = shard_of(keys[0], SHARDS)
     assert calls == [int(shard == root_shard) for shard in range(SHARDS)], calls
+    # a queried replica publishes through its node's agent, which carries the node's publishes together
+    assert relayed_publishes(b.spec.namespace) > 0
+
+
+def test_publishes_go_on_through_a_restarted_node_agent(replicas):
+    salt = uuid.uuid4().hex
+    a, b = replicas(salt, "query"), replicas(salt, "query")
+    agent = ray.get_actor(agent_name(a.manager.link.info.node_id), namespace=RAY_NAMESPACE)
+    before = relayed_publishes(a.spec.namespace)
+    ray.kill(agent, no_restart=False)
+    tokens = prompt(5)
+    assert a.serve(tokens).stored_blocks == 32
+    stored_in_directory(a, block_keys(tokens, BLOCK_TOKENS))
+    assert relayed_publishes(a.spec.namespace) > before
+    result = b.serve(tokens)
+    assert (result.hit_blocks, result.mismatches, result.load_failures) == (32, 0, 0)
 
 
 def test_pushed_and_queried_replicas_share_both_ways(replicas):
     salt = uuid.uuid4().hex
     pushed, queried = replicas(salt, "push"), replicas(salt, "query")
     assert not pushed.manager.link.queried and queried.manager.link.queried
+    # the pushed replica publishes to the shards itself, the queried one through its node's agent
+    assert [type(p.client).__name__ for p in pushed.manager.link._publishers] == ["ShardActorClient"] * SHARDS
+    assert [type(p.client).__name__ for p in queried.manager.link._publishers] == ["RelayedShard"] * SHARDS
 
     tokens = prompt(2)  # the pushed replica's, found by the queried one
     assert pushed.serve(tokens).stored_blocks == 32

@@ -28,6 +28,9 @@ class FakeShard:
     def publish(self, replica_id, seq, changes, report, namespace) -> Future:
         return self._call("publish", replica_id, seq, changes, report, namespace)
 
+    def publish_many(self, items, namespace) -> Future:
+        return self._call("publish_many", items, namespace)
+
     def unregister(self, replica_id, namespace) -> Future:
         return self._call("unregister", replica_id, namespace)
 
@@ -49,7 +52,7 @@ class FakeShard:
         """The methods of the calls not answered yet, in order."""
         return [method for method, _, _ in self.calls]
 
-    def answer(self, methods=("register", "publish", "unregister", "changes", "query")) -> list[str]:
+    def answer(self, methods=("register", "publish", "publish_many", "unregister", "changes", "query")) -> list[str]:
         """Run (or, when down, fail) the calls in flight of `methods`, in order; their names."""
         answered = []
         for call in [c for c in self.calls if c[0] in methods]:
@@ -73,6 +76,9 @@ class FakeShard:
         if known and report is not None:
             self.state.set_report(replica_id, report)
         return self.state.epoch, known, self.state.publish_interval()
+
+    def _publish_many(self, items, namespace):
+        return self.state.epoch, self.state.publish_relayed(items), self.state.publish_interval()
 
     def _unregister(self, replica_id, namespace):
         return self.state.unregister(replica_id)

@@ -11,6 +11,8 @@ from pathlib import Path
 import pytest
 from directory_fakes import FakeShard
 
+from distkv.relay import PublishRelay, RelayedShard
+
 
 
 def load_scale():
@@ -33,7 +35,26 @@ class Clock:
         return self.now
 
 
+class Relayed:
+    """Fake shards behind a node's PublishRelay: the clients a relayed generator publishes through."""
+
+    def __init__(self, shards, clock) -> None:
+        self.shards = shards
+        self.relay = PublishRelay(NAMESPACE, shards, clock=clock)
+        self.clients = [RelayedShard(shard, i, NAMESPACE, self.relay.publish) for i, shard in enumerate(shards)]
+        self.clock = clock
+
+    def answer(self) -> None:
+        """The relay sends what is due, the shards answer, the relay hands the answers on."""
+        self.relay.step(self.clock())
+        answer_all(self.shards)
+        self.relay.step(self.clock())
+
+
 def answer_all(shards):
+    if isinstance(shards, Relayed):
+        shards.answer()
+        return
     for shard in shards:
         shard.answer()
 
@@ -53,23 +74,26 @@ def drain(generator, shards, clock):
     raise AssertionError("the generator never drained")
 
 
-@pytest.fixture
-def run():
-    """A generator of 4 replicas on 3 fake shards, filled, then offering load for 6 s of its clock."""
+@pytest.fixture(params=["direct", "relayed"])
+def run(request):
+    """A generator of 4 replicas on 3 fake shards, filled, then offering load for 6 s of its
+    clock; its replicas publish to the shards themselves or through one relay."""
     shards = [FakeShard() for _ in range(3)]
     clock = Clock()
     rates = scale.LoadRates(events_per_s=100, requests_per_s=1.0, query_keys=20, flush_s=2.0, held=256)
-    generator = scale.LoadGenerator(NAMESPACE, "node0", [10, 11, 12, 13], shards, rates, clock=clock)
+    relayed = Relayed(shards, clock) if request.param == "relayed" else None
+    generator = scale.LoadGenerator(NAMESPACE, "node0", [10, 11, 12, 13], relayed.clients if relayed else shards, rates, clock=clock)
+    answering = relayed or shards
     generator.fill(clock())
-    drain(generator, shards, clock)
+    drain(generator, answering, clock)
     before = applied(shards)
     generator.start(clock())
     start = clock.now
     for tick in range(1, 121):  # 6 s of 50 ms steps
         clock.now = start + tick / 20
         generator.step(clock())
-        answer_all(shards)
-    drain(generator, shards, clock)
+        answer_all(answering)
+    drain(generator, answering, clock)
     return generator, shards, before, rates
 
 
@@ -91,6 +115,18 @@ def test_a_publisher_publishes_once_per_flush_interval(run):
     # fill: a register and its drain; then one publish per shard per replica per 2 s (6 s: 3 or 4), then the drain
     per_publisher = publishes / (4 * 3)
     assert 3 <= per_publisher <= 7
+
+
+def test_a_relay_carries_the_replicas_publishes_in_fewer_calls(run):
+    generator, shards, _, rates = run
+    stats = [s.state.stats() for s in shards]
+    relayed = sum(s.get("relayed_publishes", 0) for s in stats)
+    if generator.clients[0] is shards[0]:
+        assert relayed == 0
+        return
+    # every publish but the registers' went through the relay, several to a call
+    assert relayed == sum(s["publishes"] + s.get("ignored_publishes", 0) - s["registers"] for s in stats)
+    assert sum(s["relay_calls"] for s in stats) < relayed
 
 
 def test_a_request_is_one_query_call_to_the_shard_of_its_prefix_and_hits(run):

@@ -1,0 +1,220 @@
+"""A node's relay of its replicas' publishes to the Directory: one call per shard per interval.
+
+What a shard pays for a publish is Ray's cost per call, not the work of the changes it
+carries (docs/scale.md). A replica publishes to each shard once per interval the shard
+asks of it, so a shard of R replicas takes R calls per interval. The replicas of a node
+hand their publishes to the node's `PublishRelay` instead, which carries all of them to
+each shard in one `publish_many` call per interval: a shard then takes a call per node.
+Each replica's publish stays its own (its seq, its answer, its heartbeat); only the call
+is shared. Plain class, no Ray: the NodeAgent runs one per cache namespace
+(`ray_actors.node_agent`), `bench/scale.py`'s load generator one per process.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from typing import Protocol
+
+from distkv.directory_state import FLUSH_INTERVAL_S, Relayed
+
+# A shard's publishes waiting in a relay; past it a publish fails at once (its replica
+# retries after a backoff), so a shard that stopped answering cannot pile them up.
+MAX_QUEUED = 1 << 12
+CLOSE_TIMEOUT_S = 2.0
+
+
+class RelayTarget(Protocol):
+    """A shard as a relay calls it (`ray_actors.directory.ShardActorClient` is one)."""
+
+    def publish_many(self, items: Sequence[Relayed], namespace: str) -> Future:
+        """Future of (epoch, each item's result: whether the shard knows its replica, or
+        the error that refused it, the interval the shard asks of each replica)."""
+
+
+class _Route:
+    """One shard's side of a relay: the publishes queued for its next call, the call in flight."""
+
+    def __init__(self, client: RelayTarget) -> None:
+        self.client = client
+        self.queued: list[tuple[Relayed, Future]] = []
+        self.sending: Future | None = None
+        self.carried: list[Future] = []  # the replicas' Futures that `sending` answers
+        self.sent_at = -math.inf
+        self.interval = FLUSH_INTERVAL_S  # as the shard last asked
+
+
+class PublishRelay:
+    """Carries the publishes of many replicas of one cache namespace to its shards.
+
+    `publish` has the signature of `distkv.directory.ShardClient.publish` plus the shard:
+    it queues the publish and returns the Future of the shard's answer to it. Each shard
+    has at most one call in flight, carrying every publish queued for it meanwhile; the
+    next goes the shard's interval after the previous one was sent (the interval the
+    shard asks of each replica: a relay stands for its replicas), or at once after a quiet
+    interval. A call that fails fails every publish it carried: their replicas send them
+    again. A replica's answer asks it for no interval of its own (`FLUSH_INTERVAL_S`):
+    it hands its next publish over at once and the relay paces it, so a change waits
+    for at most two of the shard's intervals, one in the replica and one here.
+
+    `publish` may be called from any thread; `step(now)` sends what is due and returns
+    when it next needs a step; `start` runs the steps on a thread of the relay's own.
+    """
+
+    def __init__(self, namespace: str, shards: Sequence[RelayTarget], clock: Callable[[], float] = time.monotonic) -> None:
+        if not shards:
+            raise ValueError("PublishRelay: shards is empty")
+        self.namespace = namespace
+        self._clock = clock
+        self._routes = [_Route(client) for client in shards]
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+
+    @property
+    def num_shards(self) -> int:
+        return len(self._routes)
+
+    def publish(self, shard: int, replica_id: str, seq: int, changes: bytes, report: dict | None) -> Future:
+        """Queue a replica's publish for `shard`; the Future of (epoch, whether the shard
+        knows the replica, the interval the replica is to leave between its calls)."""
+        if not isinstance(shard, int) or not 0 <= shard < len(self._routes):
+            raise ValueError(f"PublishRelay.publish: shard {shard!r} is not one of the namespace's {len(self._routes)}")
+        future: Future = Future()
+        with self._lock:
+            if self._stopping:
+                raise RuntimeError("PublishRelay.publish: the relay is closed")
+            route = self._routes[shard]
+            if len(route.queued) >= MAX_QUEUED:
+                raise RuntimeError(f"PublishRelay.publish: {MAX_QUEUED} publishes already wait for shard {shard}")
+            route.queued.append(((replica_id, seq, changes, report), future))
+            # the first publish of a route with no call in flight: the thread may sleep past its time
+            wake = route.sending is None and len(route.queued) == 1
+        if wake:
+            self._wake.set()
+        return future
+
+    def step(self, now: float) -> float:
+        """Collect the calls that finished, send every shard's due publishes; when to step again at the latest."""
+        settled: list[tuple[list[Future], Future]] = []  # (replicas' Futures, the call that answers them)
+        failed: list[tuple[list[Future], BaseException]] = []
+        due = now + 1.0
+        with self._lock:
+            for route in self._routes:
+                sending = route.sending
+                if sending is not None and sending.done():
+                    if sending.exception() is None:
+                        route.interval = sending.result()[2]
+                    settled.append((route.carried, sending))
+                    route.sending, route.carried = None, []
+                if route.sending is not None or not route.queued:
+                    continue
+                send_at = route.sent_at + route.interval
+                if now < send_at:
+                    due = min(due, send_at)
+                    continue
+                batch, route.queued = route.queued, []
+                route.sent_at = now
+                carried = [future for _, future in batch]
+                try:
+                    sending = route.client.publish_many([item for item, _ in batch], self.namespace)
+                except Exception as e:
+                    failed.append((carried, e))
+                    continue
+                route.sending, route.carried = sending, carried
+                sending.add_done_callback(lambda _: self._wake.set())
+        # outside the lock: a Future's callbacks may publish again
+        for carried, sending in settled:
+            _settle(carried, sending)
+        for carried, error in failed:
+            for future in carried:
+                future.set_exception(error)
+        return due
+
+    def start(self) -> None:
+        """Step on a thread of the relay's own until `close`."""
+        if self._thread is not None:
+            raise RuntimeError("PublishRelay.start: already started")
+        self._thread = threading.Thread(target=self._run, name=f"distkv-relay-{self.namespace}", daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        """Stop the thread; the publishes still queued fail (their replicas send them again)."""
+        with self._lock:
+            self._stopping = True
+            queued = [future for route in self._routes for _, future in route.queued]
+            for route in self._routes:
+                route.queued = []
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(CLOSE_TIMEOUT_S)
+        for future in queued:
+            future.set_exception(RuntimeError("PublishRelay closed"))
+
+    def _run(self) -> None:
+        timeout = 0.0
+        while True:
+            self._wake.wait(timeout)
+            self._wake.clear()
+            if self._stopping:
+                return
+            timeout = max(0.0, self.step(self._clock()) - self._clock())
+
+
+def _settle(carried: list[Future], sending: Future) -> None:
+    """Answer each replica's publish that the finished call `sending` carried."""
+    error = sending.exception()
+    if error is not None:
+        for future in carried:
+            future.set_exception(error)
+        return
+    epoch, results, _ = sending.result()
+    if len(results) != len(carried):
+        for future in carried:
+            future.set_exception(RuntimeError(f"publish_many answered {len(results)} results for {len(carried)} publishes"))
+        return
+    for future, result in zip(carried, results):
+        if isinstance(result, bool):
+            future.set_result((epoch, result, FLUSH_INTERVAL_S))
+        else:
+            future.set_exception(ValueError(result))
+
+
+class RelayedShard:
+    """A shard as a replica's link calls it (`distkv.directory.ShardClient`), its publishes
+    carried by its node's relay: `relay(shard, replica_id, seq, changes, report)` returns
+    the Future of the answer (`PublishRelay.publish`, or the call to the node's agent that
+    runs it). Every other call goes to the shard itself, `direct`."""
+
+    def __init__(self, direct, shard: int, namespace: str, relay: Callable[[int, str, int, bytes, dict | None], Future]) -> None:
+        self.direct = direct
+        self.shard = shard
+        self.namespace = namespace
+        self._relay = relay
+
+    def register(self, info, seq: int, stored: bytes, namespace: str) -> Future:
+        return self.direct.register(info, seq, stored, namespace)
+
+    def publish(self, replica_id: str, seq: int, changes: bytes, report: dict | None, namespace: str) -> Future:
+        if namespace != self.namespace:
+            raise ValueError(f"RelayedShard of namespace {self.namespace!r}: refuses a publish for {namespace!r}")
+        return self._relay(self.shard, replica_id, seq, changes, report)
+
+    def unregister(self, replica_id: str, namespace: str) -> Future:
+        return self.direct.unregister(replica_id, namespace)
+
+    def changes(self, cursor, timeout_s: float, namespace: str, follower: str | None) -> Future:
+        return self.direct.changes(cursor, timeout_s, namespace, follower)
+
+    def query(self, keys, namespace: str) -> Future:
+        return self.direct.query(keys, namespace)
+
+    def cancel(self, future: Future) -> None:
+        self.direct.cancel(future)
+
+    def __repr__(self) -> str:
+        return f"RelayedShard({self.direct!r}, {self.shard})"

@@ -1,0 +1,242 @@
+"""A node's PublishRelay between replicas' Publishers and shards the test answers (no Ray, no thread)."""
+
+import collections
+
+import pytest
+from directory_fakes import FakeShard, key
+
+from distkv import relay as relay_module
+from distkv.directory import FLUSH_INTERVAL_S, DirectoryLink, Publisher, ReplicaInfo, pack, unpack
+from distkv.directory_state import DirectoryState, publish_interval
+from distkv.errors import ErrorLog
+from distkv.relay import PublishRelay, RelayedShard
+
+
+def info(replica_id: str) -> ReplicaInfo:
+    return ReplicaInfo(replica_id, "node-1", f"distkv-ns-{replica_id}", 64, 1, 4096)
+
+
+class Node:
+    """Replicas of one node, one publisher each per shard, publishing through the node's relay."""
+
+    def __init__(self, num_shards: int = 1, replicas=("a", "b", "c")) -> None:
+        self.shards = [FakeShard() for _ in range(num_shards)]
+        self.now = 100.0
+        self.relay = PublishRelay("ns", self.shards, clock=lambda: self.now)
+        self.errors = ErrorLog()
+        self.publishers = {
+            r: [
+                Publisher(
+                    s, RelayedShard(shard, s, "ns", self.relay.publish), "ns", info(r),
+                    wake=lambda: None, errors=self.errors, event_lags=collections.deque(),
+                )
+                for s, shard in enumerate(self.shards)
+            ]
+            for r in replicas
+        }
+
+    def step(self, advance_s: float = 0.0) -> float:
+        """Step the relay (its answers reach the publishers), every publisher, and the relay
+        again (it sends what they handed over); when the relay is next due."""
+        self.now += advance_s
+        self.relay.step(self.now)
+        for publishers in self.publishers.values():
+            for publisher in publishers:
+                publisher.step(self.now)
+        return self.relay.step(self.now)
+
+    def store(self, replica: str, *keys: int, shard: int = 0) -> None:
+        publisher = self.publishers[replica][shard]
+        for i in keys:
+            publisher.store(key(i), i, i + 1)
+        publisher.queued(self.now, self.now, lagged=True)
+
+    def calls(self, shard: int = 0) -> list[str]:
+        return self.shards[shard].in_flight()
+
+    def relayed(self, shard: int = 0) -> list[list[str]]:
+        """Per publish_many call in flight, the replicas it carries."""
+        return [[item[0] for item in args[0]] for m, args, _ in self.shards[shard].calls if m == "publish_many"]
+
+
+@pytest.fixture
+def node():
+    n = Node()
+    n.step()  # registers go to the shard itself
+    assert n.calls() == ["register"] * 3
+    n.shards[0].answer()
+    return n
+
+
+def test_the_publishes_of_a_nodes_replicas_go_to_the_shard_in_one_call(node):
+    for i, r in enumerate("abc"):
+        node.store(r, i)
+    node.step(0.1)
+    assert node.relayed() == [["a", "b", "c"]]
+    node.shards[0].answer()
+    node.step()
+    state = node.shards[0].state
+    assert {r: node.shards[0].held_by(r) for r in "abc"} == {r: {key(i): (i, i + 1)} for i, r in enumerate("abc")}
+    assert state.stats()["relay_calls"] == 1 and state.stats()["relayed_publishes"] == 3
+    assert all(p.publishing is None and not p.pending for ps in node.publishers.values() for p in ps)
+
+
+def test_one_call_in_flight_per_shard_and_the_next_waits_the_shards_interval(monkeypatch):
+    monkeypatch.setattr("distkv.directory_state.SHARD_PUBLISHES_PER_S", 4)  # 2 replicas: 0.5 s apart
+    shard = FakeShard()
+    relay = PublishRelay("ns", [shard])
+    for r in "ab":
+        shard.state.register(info(r))
+    first = relay.publish(0, "a", 1, pack(([(key(1), 1, 2)], [])), None)
+    relay.step(10.0)
+    second = relay.publish(0, "b", 1, pack(([(key(2), 2, 3)], [])), None)
+    relay.step(10.1)
+    assert [[item[0] for item in args[0]] for _, args, _ in shard.calls] == [["a"]]
+    shard.answer()
+    relay.step(10.2)
+    assert first.result()[1] is True and not second.done()
+    relay.step(10.49)
+    assert shard.calls == []
+    relay.step(10.5)
+    assert [[item[0] for item in args[0]] for _, args, _ in shard.calls] == [["b"]]
+
+
+def test_a_replica_is_asked_for_no_interval_of_its_own_the_relay_paces_it(node):
+    node.store("a", 1)
+    node.step(0.1)
+    node.step()
+    node.shards[0].answer()
+    node.step()
+    assert node.publishers["a"][0].flush_interval == FLUSH_INTERVAL_S
+
+
+def test_a_failed_call_fails_each_publish_it_carried_and_each_is_sent_again_once(node):
+    node.store("a", 1)
+    node.store("b", 2)
+    node.step(0.1)
+    node.step()
+    node.shards[0].up = False
+    node.shards[0].answer()
+    node.step()
+    assert node.errors.counts()["directory_publish"] == 2
+    node.shards[0].up = True
+    node.step(5.0)  # past the backoff: the same batches again (and c's heartbeat)
+    assert node.relayed() == [["a", "b", "c"]]
+    node.shards[0].answer()
+    node.step()
+    assert node.shards[0].held_by("a") == {key(1): (1, 2)} and node.shards[0].held_by("b") == {key(2): (2, 3)}
+
+
+def test_a_call_lost_after_the_shard_applied_it_is_applied_once():
+    """The relay's call went through but its answer was lost: the replicas' retries carry
+    the same seqs, which the shard ignores."""
+    node = Node(replicas=("a",))
+    node.step()
+    node.shards[0].answer()
+    node.store("a", 1)
+    node.step(0.1)
+    node.step()
+    method, args, future = node.shards[0].calls.pop()
+    node.shards[0]._publish_many(*args)
+    future.set_exception(ConnectionError("answer lost"))
+    node.step()
+    node.step(5.0)
+    node.step()
+    node.shards[0].answer()
+    stats = node.shards[0].state.stats()
+    assert stats["relayed_publishes"] == 2 and stats["ignored_publishes"] == 1 and stats["stored"] == 1
+
+
+def test_one_replicas_bad_publish_is_refused_alone():
+    relay_shard = FakeShard()
+    relay = PublishRelay("ns", [relay_shard])
+    for r in "ab":
+        relay_shard.state.register(info(r))
+    good = relay.publish(0, "a", 1, pack(([(key(1), 1, 2)], [])), None)
+    bad = relay.publish(0, "b", 1, b"not a payload", None)
+    unknown = relay.publish(0, "z", 1, pack(([], [])), None)
+    relay.step(0.0)
+    relay_shard.answer()
+    relay.step(0.0)
+    assert good.result()[:2] == (relay_shard.state.epoch, True)
+    assert unknown.result()[1] is False
+    with pytest.raises(ValueError, match="relayed publish.*'b'"):
+        bad.result()
+    assert relay_shard.held_by("a") == {key(1): (1, 2)} and relay_shard.held_by("b") == {}
+
+
+def test_publish_relayed_refuses_what_is_not_a_list_and_changes_nothing():
+    state = DirectoryState()
+    state.register(info("a"))
+    before = state.stats()
+    with pytest.raises(ValueError, match="not a list"):
+        state.publish_relayed(b"abc")
+    assert state.stats() == before
+    assert state.publish_relayed([("a", 1, pack(([(key(1), 1, 2)], [])), {"rows": 1})]) == [True]
+    assert state.replicas()[0]["report"] == {"rows": 1}
+    assert isinstance(state.publish_relayed([("a", 2, pack(([], [])), "not a dict")])[0], str)
+
+
+def test_each_shard_gets_its_own_call():
+    node = Node(num_shards=2, replicas=("a", "b"))
+    node.step()
+    for shard in node.shards:
+        shard.answer()
+    node.store("a", 1, shard=0)
+    node.store("b", 2, shard=1)
+    node.store("a", 3, shard=1)
+    node.step(0.1)
+    node.step()
+    assert node.relayed(0) == [["a"]] and node.relayed(1) == [["a", "b"]]
+
+
+def test_bad_calls_and_bounds(monkeypatch):
+    relay = PublishRelay("ns", [FakeShard()])
+    with pytest.raises(ValueError, match="shard 1 is not one of the namespace's 1"):
+        relay.publish(1, "a", 1, b"", None)
+    with pytest.raises(ValueError, match="shards is empty"):
+        PublishRelay("ns", [])
+    monkeypatch.setattr(relay_module, "MAX_QUEUED", 2)
+    queued = [relay.publish(0, r, 1, b"", None) for r in "ab"]
+    with pytest.raises(RuntimeError, match="2 publishes already wait"):
+        relay.publish(0, "c", 1, b"", None)
+    relay.close()
+    for future in queued:
+        with pytest.raises(RuntimeError, match="closed"):
+            future.result()
+    with pytest.raises(RuntimeError, match="closed"):
+        relay.publish(0, "a", 2, b"", None)
+    with pytest.raises(ValueError, match="refuses a publish for 'other'"):
+        RelayedShard(FakeShard(), 0, "ns", relay.publish).publish("a", 1, b"", None, "other")
+
+
+def test_the_relay_thread_sends_a_publish_handed_over_after_a_long_sleep():
+    shard = FakeShard()
+    relay = PublishRelay("ns", [shard])
+    relay.start()
+    try:
+        shard.state.register(info("a"))
+        future = relay.publish(0, "a", 1, pack(([(key(1), 1, 2)], [])), None)
+        while not shard.calls:
+            pass
+        shard.answer()
+        assert future.result(timeout=30)[1] is True
+    finally:
+        relay.close()
+
+
+def test_a_queried_link_publishes_through_the_relay_a_following_one_to_the_shard():
+    shard = FakeShard()
+    relay = PublishRelay("ns", [shard])
+    relayed = [RelayedShard(shard, 0, "ns", relay.publish)]
+    queried = DirectoryLink("ns", info("q"), [shard], "query", relayed)
+    following = DirectoryLink("ns", info("f"), [shard], "push", relayed)
+    auto = DirectoryLink("ns", info("s"), [shard], "auto", relayed)
+    assert [p.client for p in queried._publishers] == relayed
+    assert [p.client for p in following._publishers] == [shard]
+    assert [p.client for p in auto._publishers] == [shard]
+    auto._query_from_now()  # what a view of more than AUTO_PUSH_MAX_REPLICAS replicas makes it do
+    assert [p.client for p in auto._publishers] == relayed
+    with pytest.raises(ValueError, match="2 relayed shards for 1 shards"):
+        DirectoryLink("ns", info("x"), [shard], "query", relayed * 2)
+    relay.close()
