@@ -98,7 +98,7 @@ from distkv.errors import ErrorLog  # noqa: E402
 from distkv.names import segment_name  # noqa: E402
 from distkv.spec import ClusterOffloadingSpec  # noqa: E402
 from distkv.relay import PublishRelay, RelayedShard  # noqa: E402
-from ray_actors.directory import get_or_create_shards, kill_shards, shard_clients  # noqa: E402
+from ray_actors.directory import defer_full_collections, get_or_create_shards, kill_shards, shard_clients  # noqa: E402
 
 MiB = 1 << 20
 CHUNK = 500  # keys stored (and removed) per publish call
@@ -762,9 +762,13 @@ class LoadProcess:
         self.generator = LoadGenerator(namespace, node_id, replicas, clients, rates)
 
     def fill(self) -> None:
-        """Register every replica with its `held` keys, and wait until the shards have them."""
+        """Register every replica with its `held` keys, and wait until the shards have them.
+        The process then makes no full garbage collection by itself, as a shard does: its
+        replicas' keys would make each one pause the answers it times."""
         self.generator.fill(time.monotonic())
         self._drain()
+        gc.collect()
+        defer_full_collections()
 
     def run(self, seconds: float) -> dict[str, Any]:
         """Offer the load for `seconds`, then publish what is pending and wait for the answers."""
@@ -855,7 +859,7 @@ def generator_scale(
                     r = rows[-1]
                     print(
                         f"  {num_replicas} replicas, {num_shards} shards, {path}: {r['directory_cores']:.3f} cores, "
-                        f"{r['directory_cpu_us_per_event']:.1f} us/event, query p99 {r['query_p99_ms']:.1f} ms, "
+                        f"{r['directory_cpu_us_per_event'] or float('nan'):.1f} us/event, query p99 {r['query_p99_ms']:.1f} ms, "
                         f"lost {r['events_lost']}, load {r['load_average'][0]:.1f}",
                         file=sys.stderr, flush=True,
                     )

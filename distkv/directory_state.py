@@ -467,10 +467,12 @@ class DirectoryState:
         self._log.append((replica_id, node_id, list(stored), list(removed)))
         return True
 
-    def publish_relayed(self, items: Sequence[Relayed]) -> list[bool | str]:
+    def publish_relayed(self, items: Sequence[Relayed], *, continued: bool = False) -> list[bool | str]:
         """Apply the publishes a relay carried in one call, each as its own `publish` (and
         `set_report`): per item, whether its replica is registered, or why the item was
-        refused (a str; that item changed nothing, the others are applied all the same)."""
+        refused (a str; that item changed nothing, the others are applied all the same).
+        `continued`: these items go on a call whose first items an earlier `publish_relayed`
+        applied (they count as no call of their own)."""
         if not isinstance(items, (list, tuple)):
             raise ValueError(f"publish_relayed: items {type(items).__name__} is not a list")
         results: list[bool | str] = []
@@ -487,7 +489,7 @@ class DirectoryState:
             if known and report is not None:
                 self.set_report(replica_id, report)
             results.append(known)
-        self._ops["relay_calls"] += 1
+        self._ops["relay_calls"] += not continued
         self._ops["relayed_publishes"] += len(items)
         return results
 

@@ -24,6 +24,12 @@ from distkv.directory_state import FLUSH_INTERVAL_S, Relayed
 # A shard's publishes waiting in a relay; past it a publish fails at once (its replica
 # retries after a backoff), so a shard that stopped answering cannot pile them up.
 MAX_QUEUED = 1 << 12
+# A call carries publishes of this many bytes of changes at most (a larger publish goes
+# alone), the rest following as soon as it is answered: under Ray's bound for arguments
+# sent inside the call (`max_direct_call_object_size`, 100 KiB), past which they go
+# through the object store, whose put and fetch every later call of the caller to the
+# shard waits for.
+MAX_CALL_BYTES = 64 << 10
 CLOSE_TIMEOUT_S = 2.0
 
 
@@ -55,10 +61,12 @@ class PublishRelay:
     has at most one call in flight, carrying every publish queued for it meanwhile; the
     next goes the shard's interval after the previous one was sent (the interval the
     shard asks of each replica: a relay stands for its replicas), or at once after a quiet
-    interval. A call that fails fails every publish it carried: their replicas send them
+    interval. A call carries MAX_CALL_BYTES of changes at most; what did not fit goes as
+    soon as it is answered. A call that fails fails every publish it carried: their replicas send them
     again. A replica's answer asks it for no interval of its own (`FLUSH_INTERVAL_S`):
-    it hands its next publish over at once and the relay paces it, so a change waits
-    for at most two of the shard's intervals, one in the replica and one here.
+    it hands its next publish over as soon as the previous one is answered, and the
+    relay paces it: a change waits about two of the shard's intervals at most, one
+    while the replica's previous publish waits here and one for its own.
 
     `publish` may be called from any thread; `step(now)` sends what is due and returns
     when it next needs a step; `start` runs the steps on a thread of the relay's own.
@@ -74,10 +82,6 @@ class PublishRelay:
         self._wake = threading.Event()
         self._stopping = False
         self._thread: threading.Thread | None = None
-
-    @property
-    def num_shards(self) -> int:
-        return len(self._routes)
 
     def publish(self, shard: int, replica_id: str, seq: int, changes: bytes, report: dict | None) -> Future:
         """Queue a replica's publish for `shard`; the Future of (epoch, whether the shard
@@ -117,8 +121,9 @@ class PublishRelay:
                 if now < send_at:
                     due = min(due, send_at)
                     continue
-                batch, route.queued = route.queued, []
-                route.sent_at = now
+                batch = _take_call(route.queued)
+                if not route.queued:  # else what is left goes as soon as this call is answered
+                    route.sent_at = now
                 carried = [future for _, future in batch]
                 try:
                     sending = route.client.publish_many([item for item, _ in batch], self.namespace)
@@ -218,3 +223,16 @@ class RelayedShard:
 
     def __repr__(self) -> str:
         return f"RelayedShard({self.direct!r}, {self.shard})"
+
+
+def _take_call(queued: list[tuple[Relayed, Future]]) -> list[tuple[Relayed, Future]]:
+    """Take from `queued` the publishes of one call: the first, and as many after it as
+    keep the call's changes within MAX_CALL_BYTES."""
+    size = len(queued[0][0][2])
+    end = 1
+    while end < len(queued) and size + len(queued[end][0][2]) <= MAX_CALL_BYTES:
+        size += len(queued[end][0][2])
+        end += 1
+    batch = queued[:end]
+    del queued[:end]
+    return batch

@@ -12,6 +12,7 @@ shards as the `ShardClient`s it calls.
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import threading
 import time
@@ -47,6 +48,17 @@ REPLICA_TIMEOUT_S = 10.0
 # event loop, and at most this many at once (one per replica of the namespace).
 FOLLOWERS_GROUP = "followers"
 MAX_FOLLOWERS = 4096
+# A shard's state is a few large long-lived containers, which a full garbage collection
+# traverses whole while no call is answered (docs/benchmarks.md); what the shard frees is
+# acyclic, freed by reference counting. So the shard makes no full collection but one
+# every FULL_COLLECTION_S, from its watcher: young collections still run as usual.
+FULL_COLLECTION_S = 600.0
+
+
+def defer_full_collections() -> None:
+    """Make this process's full garbage collections only those it asks for (`gc.collect()`)."""
+    young, middle, _ = gc.get_threshold()
+    gc.set_threshold(young, middle, 1 << 30)
 
 
 @ray.remote(concurrency_groups={FOLLOWERS_GROUP: MAX_FOLLOWERS})
@@ -72,6 +84,7 @@ class DirectoryShard:
         self._changed: asyncio.Event | None = None
         self._followers_loop: asyncio.AbstractEventLoop | None = None
         # Ray runs an async actor's __init__ on its event loop.
+        defer_full_collections()
         self._watcher = asyncio.get_running_loop().create_task(self._watch())
 
     async def register(self, info: ReplicaInfo, seq: int, stored: bytes, namespace: str) -> tuple[str, bool, float]:
@@ -116,10 +129,17 @@ class DirectoryShard:
         each as its own `publish`; (epoch, per item whether its replica is registered or why
         it was refused, the interval each replica is to leave between its calls)."""
         self._check(namespace)
-        with self._lock:
-            before = self._state.cursor()
-            results = self._state.publish_relayed(items)
-        self._notify(before)
+        if not isinstance(items, list):
+            raise ValueError(f"publish_many: items {type(items).__name__} is not a list")
+        results: list[bool | str] = []
+        for i, item in enumerate(items):
+            with self._lock:
+                before = self._state.cursor()
+                results += self._state.publish_relayed([item], continued=i > 0)
+            self._notify(before)
+            # A node's call carries many replicas' changes: calls that came meanwhile (a
+            # query is waited on by a request) run between two replicas' publishes, not after all.
+            await asyncio.sleep(0)
         return self._state.epoch, results, self._state.publish_interval()
 
     async def unregister(self, replica_id: str, namespace: str) -> bool:
@@ -193,10 +213,14 @@ class DirectoryShard:
         """Drop replicas on nodes Ray reports dead, and replicas that stopped heartbeating
         (silent past their timeout and past how late this shard has been running)."""
         loop = asyncio.get_running_loop()
+        collect_at = time.monotonic() + FULL_COLLECTION_S
         while True:
             due = time.monotonic() + NODE_POLL_S
             await asyncio.sleep(NODE_POLL_S)
             self._lateness.woke(due, time.monotonic())
+            if time.monotonic() >= collect_at:
+                gc.collect()
+                collect_at = time.monotonic() + FULL_COLLECTION_S
             try:
                 nodes = await loop.run_in_executor(None, ray.nodes)
             except Exception as e:

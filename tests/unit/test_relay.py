@@ -101,6 +101,29 @@ def test_one_call_in_flight_per_shard_and_the_next_waits_the_shards_interval(mon
     assert [[item[0] for item in args[0]] for _, args, _ in shard.calls] == [["b"]]
 
 
+def test_a_call_carries_what_fits_under_the_bound_and_the_rest_goes_once_it_is_answered(monkeypatch):
+    monkeypatch.setattr(relay_module, "MAX_CALL_BYTES", 250)
+    shard = FakeShard()
+    relay = PublishRelay("ns", [shard])
+    for r in "abcd":
+        shard.state.register(info(r))
+    payload = pack(([], []))
+    padded = payload + bytes(100 - len(payload))  # 100 bytes: pickle ignores what follows its end
+    futures = [relay.publish(0, r, 1, padded, None) for r in "abc"]
+    big = relay.publish(0, "d", 1, padded * 3, None)  # over the bound alone: goes alone
+    relay.step(10.0)
+    assert [[item[0] for item in args[0]] for _, args, _ in shard.calls] == [["a", "b"]]
+    shard.answer()
+    relay.step(10.001)  # well within the shard's interval: the rest was due with the first
+    assert [[item[0] for item in args[0]] for _, args, _ in shard.calls] == [["c"]]
+    shard.answer()
+    relay.step(10.002)
+    assert [[item[0] for item in args[0]] for _, args, _ in shard.calls] == [["d"]]
+    shard.answer()
+    relay.step(10.003)
+    assert [f.result()[1] for f in futures + [big]] == [True] * 4
+
+
 def test_a_replica_is_asked_for_no_interval_of_its_own_the_relay_paces_it(node):
     node.store("a", 1)
     node.step(0.1)
