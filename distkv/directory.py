@@ -51,6 +51,7 @@ from distkv.directory_state import (
     unpack,
 )
 from distkv.manager import check_keys
+from distkv.relay import RelayBatch, RelayedShard
 from distkv.errors import ErrorLog
 from distkv.metrics import MAX_OBSERVATIONS
 
@@ -606,9 +607,9 @@ class DirectoryLink:
     infos of the replicas they name for `replica`. It publishes as a following link does:
     the two kinds share one namespace.
 
-    `shards`: the namespace's shards, in order; `relayed`: the same shards with their
-    publishes carried by the node's relay (`distkv.relay`), which a queried link publishes
-    through: beyond a few replicas a shard's calls, not their changes, are its cost. A block goes to the shard its manager
+    `shards`: the namespace's shards, in order; `relay`: the way to the node's relay
+    (`distkv.relay`), which a queried link publishes through, each step's publishes in one
+    call: beyond a few replicas a shard's calls, not their changes, are its cost. A block goes to the shard its manager
     placed it on (`ready`, `promoted`, `dropped`: its block's `shard`), or, from `stored` and
     `removed`, to its own key's (`shard_of(key, len(shards))`).
     Usage: `link = DirectoryLink(ns, info, shards); link.start(); ...; link.close()`.
@@ -620,10 +621,8 @@ class DirectoryLink:
         info: ReplicaInfo,
         shards: Sequence[ShardClient],
         view: str = "push",
-        relayed: Sequence[ShardClient] | None = None,
+        relay: RelayBatch | None = None,
     ) -> None:
-        if relayed is not None and len(relayed) != len(shards):
-            raise ValueError(f"DirectoryLink: {len(relayed)} relayed shards for {len(shards)} shards")
         if not isinstance(info, ReplicaInfo):
             raise ValueError(f"DirectoryLink: info {info!r} is not a ReplicaInfo")
         if not shards:
@@ -661,7 +660,7 @@ class DirectoryLink:
         # when the answers expire (oldest first), and the infos the answers brought.
         self.queried = False
         self._switches = view == "auto"
-        self._relayed = relayed
+        self._relay = relay
         self._asked: set[OffloadKey] = set()
         self._wanted: collections.deque[OffloadKey] = collections.deque()
         self._expiry: collections.deque[tuple[float, list[OffloadKey]]] = collections.deque()
@@ -847,6 +846,8 @@ class DirectoryLink:
         every shard's publisher and follower; when the next pass is due at the latest."""
         self._take_inbox(now)
         due = min(p.step(now) for p in self._publishers)
+        if self._relay is not None:
+            self._relay.flush()
         for follower in self._followers:
             due = min(due, follower.step(now))
         if not self._synced.is_set() and all(f.synced for f in self._followers):
@@ -911,9 +912,9 @@ class DirectoryLink:
         self._switches = False
         self.queried = True
         self._holders.clear()
-        if self._relayed is not None:
-            for publisher, client in zip(self._publishers, self._relayed):
-                publisher.client = client
+        if self._relay is not None:
+            for publisher in self._publishers:
+                publisher.client = RelayedShard(publisher.client, publisher.index, self.namespace, self._relay.publish)
 
     def _run(self) -> None:
         timeout = 0.0

@@ -6,8 +6,9 @@ asks of it, so a shard of R replicas takes R calls per interval. The replicas of
 hand their publishes to the node's `PublishRelay` instead, which carries all of them to
 each shard in one `publish_many` call per interval: a shard then takes a call per node.
 Each replica's publish stays its own (its seq, its answer, its heartbeat); only the call
-is shared. Plain class, no Ray: the NodeAgent runs one per cache namespace
-(`ray_actors.node_agent`), `bench/scale.py`'s load generator one per process.
+is shared. A replica hands over what its link publishes in one step, to every shard, in
+one call too (`RelayBatch`). Plain classes, no Ray: the NodeAgent runs a relay per cache
+namespace (`ray_actors.node_agent`), `bench/scale.py`'s load generator one per process.
 """
 
 from __future__ import annotations
@@ -187,6 +188,64 @@ def _settle(carried: list[Future], sending: Future) -> None:
             future.set_result((epoch, result, FLUSH_INTERVAL_S))
         else:
             future.set_exception(ValueError(result))
+
+
+# (shard, replica_id, seq, packed (stored, removed), report or None): a publish as a
+# replica hands it to its node's relay.
+Handed = tuple[int, str, int, bytes, "dict | None"]
+
+
+class RelayBatch:
+    """A replica's publishes to its node's relay, gathered over one step of its link:
+    `flush` (at the step's end) hands them over in one `send` call, whichever shards they
+    go to, so that a replica calls its node's agent once per step, not once per shard.
+
+    `send(items)` returns the Future of a list with, per item, the shard's answer
+    (epoch, known, interval) or the error that refused it (a str). Stepped by the link's
+    thread only; the answers may complete the publishes' Futures from any thread.
+    """
+
+    def __init__(self, send: Callable[[list[Handed]], Future]) -> None:
+        self._send = send
+        self._items: list[Handed] = []
+        self._futures: list[Future] = []
+
+    def publish(self, shard: int, replica_id: str, seq: int, changes: bytes, report: dict | None) -> Future:
+        """Queue a publish for the next `flush`; the Future of the shard's answer to it."""
+        future: Future = Future()
+        self._items.append((shard, replica_id, seq, changes, report))
+        self._futures.append(future)
+        return future
+
+    def flush(self) -> None:
+        """Hand every publish queued since the last flush to the relay, in one call."""
+        if not self._items:
+            return
+        items, futures = self._items, self._futures
+        self._items, self._futures = [], []
+        try:
+            call = self._send(items)
+        except Exception as e:
+            for future in futures:
+                future.set_exception(e)
+            return
+        call.add_done_callback(lambda done: _settle_handed(futures, done))
+
+
+def _settle_handed(futures: list[Future], call: Future) -> None:
+    """Answer each publish of a `RelayBatch` call from the relay's answer `call`."""
+    error = call.exception()
+    if error is None and len(call.result()) != len(futures):
+        error = RuntimeError(f"the relay answered {len(call.result())} results for {len(futures)} publishes")
+    if error is not None:
+        for future in futures:
+            future.set_exception(error)
+        return
+    for future, result in zip(futures, call.result()):
+        if isinstance(result, str):
+            future.set_exception(RuntimeError(result))
+        else:
+            future.set_result(result)
 
 
 class RelayedShard:

@@ -143,7 +143,6 @@ def join_cluster(plan: ReplicaPlan, pool: HostPool, local: LocalOffloadingManage
     from distkv.promotion import Promoter
     from distkv.transport import ObjectStoreTransport
     from ray_actors.directory import shard_clients
-    from distkv.relay import RelayedShard
     from ray_actors.node_agent import AgentFetch, agent_relay, start_node_agent
 
     config = plan.config
@@ -169,8 +168,7 @@ def join_cluster(plan: ReplicaPlan, pool: HostPool, local: LocalOffloadingManage
     )
     shards = shard_clients(plan.namespace, config.directory_shards)
     relay = agent_relay(agent, plan.namespace, len(shards))
-    relayed = [RelayedShard(shard, i, plan.namespace, relay) for i, shard in enumerate(shards)]
-    link = DirectoryLink(plan.namespace, info, shards, joining_view(config.directory_view, shards[0].actor), relayed)
+    link = DirectoryLink(plan.namespace, info, shards, joining_view(config.directory_view, shards[0].actor), relay)
     link.start()
     if not link.wait_synced(DIRECTORY_SYNC_TIMEOUT_S):
         logger.warning(

@@ -17,7 +17,7 @@ from distkv.abstract import OffloadKey
 from distkv.directory import ReplicaInfo
 from distkv.names import RAY_NAMESPACE, agent_name, check_pool_namespace
 from distkv.pool import PRUNE_INTERVAL_S, PoolLayout, PoolReaders, RowsRead, read_rows
-from distkv.relay import PublishRelay
+from distkv.relay import Handed, PublishRelay, RelayBatch
 from ray_actors.directory import find_shards
 
 
@@ -86,11 +86,10 @@ class NodeAgent:
         # closed meanwhile, `data` still maps its memory: closing leaves it to the GC.
         return data, metas
 
-    async def relay(
-        self, namespace: str, num_shards: int, shard: int, replica_id: str, seq: int, changes: bytes, report: dict | None
-    ) -> tuple[str, bool, float]:
-        """A replica's publish to `shard` of `namespace`'s `num_shards`, carried with the node's
-        others (`distkv.relay.PublishRelay.publish`); the shard's answer to it."""
+    async def relay(self, namespace: str, num_shards: int, items: list[Handed]) -> list[tuple[str, bool, float] | str]:
+        """A replica's publishes (`distkv.relay.RelayBatch`: one step of its link, to any of
+        `namespace`'s `num_shards` shards), carried with the node's others by the namespace's
+        `PublishRelay`; per item, the shard's answer, or why it was refused (a str)."""
         relay = self._relays.get((namespace, num_shards))
         if relay is None:
             # looking the shards up asks Ray's GCS: not on the event loop
@@ -99,7 +98,22 @@ class NodeAgent:
             if relay is None:
                 relay = self._relays[(namespace, num_shards)] = PublishRelay(namespace, shards)
                 relay.start()
-        return await asyncio.wrap_future(relay.publish(shard, replica_id, seq, changes, report))
+        answers: list[Future | str] = []
+        for item in items:
+            try:
+                answers.append(relay.publish(*item))
+            except Exception as e:  # a bad item refuses itself, not the replica's others
+                answers.append(f"{type(e).__name__}: {e}")
+        results: list[tuple[str, bool, float] | str] = []
+        for answer in answers:
+            if isinstance(answer, str):
+                results.append(answer)
+                continue
+            try:
+                results.append(await asyncio.wrap_future(answer))
+            except Exception as e:
+                results.append(f"{type(e).__name__}: {e}")
+        return results
 
     def _prune_pools(self) -> None:
         while True:
@@ -140,10 +154,6 @@ class AgentFetch:
         ).future()
 
 
-def agent_relay(agent: ray.actor.ActorHandle, namespace: str, num_shards: int):
-    """A replica's publishes through its node's `agent`: the `relay` a `distkv.relay.RelayedShard` takes."""
-
-    def relay(shard: int, replica_id: str, seq: int, changes: bytes, report: dict | None) -> Future:
-        return agent.relay.remote(namespace, num_shards, shard, replica_id, seq, changes, report).future()
-
-    return relay
+def agent_relay(agent: ray.actor.ActorHandle, namespace: str, num_shards: int) -> RelayBatch:
+    """A replica's way to its node's relay, in `agent`: the `relay` a `DirectoryLink` takes."""
+    return RelayBatch(lambda items: agent.relay.remote(namespace, num_shards, items).future())

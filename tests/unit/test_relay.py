@@ -1,6 +1,7 @@
 """A node's PublishRelay between replicas' Publishers and shards the test answers (no Ray, no thread)."""
 
 import collections
+from concurrent.futures import Future
 
 import pytest
 from directory_fakes import FakeShard, key
@@ -9,7 +10,7 @@ from distkv import relay as relay_module
 from distkv.directory import FLUSH_INTERVAL_S, DirectoryLink, Publisher, ReplicaInfo, pack, unpack
 from distkv.directory_state import DirectoryState, publish_interval
 from distkv.errors import ErrorLog
-from distkv.relay import PublishRelay, RelayedShard
+from distkv.relay import PublishRelay, RelayBatch, RelayedShard
 
 
 def info(replica_id: str) -> ReplicaInfo:
@@ -248,18 +249,98 @@ def test_the_relay_thread_sends_a_publish_handed_over_after_a_long_sleep():
         relay.close()
 
 
+class Agent:
+    """A node's agent as a replica's RelayBatch calls it: runs each handed publish through
+    the relay and answers per item, once the test lets it (`answer`)."""
+
+    def __init__(self, relay: PublishRelay) -> None:
+        self.relay = relay
+        self.calls: list[tuple[list, Future]] = []
+
+    def send(self, items) -> Future:
+        future: Future = Future()
+        self.calls.append((items, future))
+        return future
+
+    def answer(self) -> None:
+        for items, future in self.calls:
+            answers = []
+            for item in items:
+                try:
+                    answers.append(self.relay.publish(*item))
+                except Exception as e:
+                    answers.append(f"{type(e).__name__}: {e}")
+            self.relay.step(0.0)
+            for shard in self.relay._routes:
+                shard.client.answer()
+            self.relay.step(0.0)
+            future.set_result([a if isinstance(a, str) else (a.result() if a.exception() is None else str(a.exception())) for a in answers])
+        self.calls = []
+
+
+def test_a_replica_hands_over_a_steps_publishes_to_every_shard_in_one_call():
+    shards = [FakeShard(), FakeShard()]
+    for shard in shards:
+        shard.state.register(info("a"))
+    agent = Agent(PublishRelay("ns", shards))
+    batch = RelayBatch(agent.send)
+    first = batch.publish(0, "a", 1, pack(([(key(1), 1, 2)], [])), None)
+    second = batch.publish(1, "a", 1, pack(([(key(2), 2, 3)], [])), None)
+    bad = batch.publish(2, "a", 1, pack(([], [])), None)  # the namespace has 2 shards
+    assert agent.calls == []
+    batch.flush()
+    batch.flush()  # nothing queued since: no call
+    assert [[item[0] for item in items] for items, _ in agent.calls] == [[0, 1, 2]]
+    agent.answer()
+    assert first.result()[1] is True and second.result()[1] is True
+    with pytest.raises(RuntimeError, match="shard 2 is not one of the namespace's 2"):
+        bad.result()
+    assert shards[0].held_by("a") == {key(1): (1, 2)} and shards[1].held_by("a") == {key(2): (2, 3)}
+
+
+def test_a_failed_hand_over_fails_each_publish_it_carried():
+    def send(items):
+        raise ConnectionError("the agent is gone")
+
+    batch = RelayBatch(send)
+    futures = [batch.publish(s, "a", 1, b"", None) for s in range(2)]
+    batch.flush()
+    for future in futures:
+        with pytest.raises(ConnectionError):
+            future.result()
+    answered: Future = Future()
+    batch = RelayBatch(lambda items: answered)
+    futures = [batch.publish(s, "a", 1, b"", None) for s in range(2)]
+    batch.flush()
+    answered.set_result([("e", True, 0.003)])  # one answer for two publishes
+    for future in futures:
+        with pytest.raises(RuntimeError, match="1 results for 2 publishes"):
+            future.result()
+
+
 def test_a_queried_link_publishes_through_the_relay_a_following_one_to_the_shard():
     shard = FakeShard()
-    relay = PublishRelay("ns", [shard])
-    relayed = [RelayedShard(shard, 0, "ns", relay.publish)]
-    queried = DirectoryLink("ns", info("q"), [shard], "query", relayed)
-    following = DirectoryLink("ns", info("f"), [shard], "push", relayed)
-    auto = DirectoryLink("ns", info("s"), [shard], "auto", relayed)
-    assert [p.client for p in queried._publishers] == relayed
+    relay = RelayBatch(lambda items: Future())
+    queried = DirectoryLink("ns", info("q"), [shard], "query", relay)
+    following = DirectoryLink("ns", info("f"), [shard], "push", relay)
+    auto = DirectoryLink("ns", info("s"), [shard], "auto", relay)
+    assert [type(p.client) for p in queried._publishers] == [RelayedShard]
     assert [p.client for p in following._publishers] == [shard]
     assert [p.client for p in auto._publishers] == [shard]
     auto._query_from_now()  # what a view of more than AUTO_PUSH_MAX_REPLICAS replicas makes it do
-    assert [p.client for p in auto._publishers] == relayed
-    with pytest.raises(ValueError, match="2 relayed shards for 1 shards"):
-        DirectoryLink("ns", info("x"), [shard], "query", relayed * 2)
-    relay.close()
+    assert [type(p.client) for p in auto._publishers] == [RelayedShard]
+    assert queried._publishers[0].client.direct is shard
+
+
+def test_a_queried_links_step_hands_its_publishes_over_in_one_call():
+    shards = [FakeShard(), FakeShard()]
+    sent = []
+    link = DirectoryLink("ns", info("q"), shards, "query", RelayBatch(lambda items: sent.append(items) or Future()))
+    link.step(100.0)  # registers, to the shards themselves
+    for shard in shards:
+        assert shard.in_flight() == ["register"]
+        shard.answer()
+    link.stored([(key(1), 1, 2), (key(2), 2, 3), (key(3), 3, 4)])
+    link.step(101.0)
+    link.step(101.1)
+    assert len(sent) == 1 and sorted(item[0] for item in sent[0]) == [0, 1]
