@@ -1,7 +1,7 @@
 """How the Directory scales: one shard with millions of keys, and the cluster as replicas grow.
 
     python bench/scale.py [--keys 1000000,10000000] [--replicas 64,256] [--shards 1,4,16]
-        [--seconds 20] [--events-per-s 100] [--requests-per-s 0.2]
+        [--seconds 20] [--events-per-s 100] [--requests-per-s 0.2] [--publish relayed,direct]
         [--view-replicas 2,4,8] [--view-seconds 5] [--json PATH] [--model [--from PATH]]
 
 Shard state (no Ray). One DirectoryState is filled, 500-key publishes from 8 replicas
@@ -26,7 +26,11 @@ each --replicas count, a fresh namespace's shards and 4 generator processes (one
 hosting the replicas: a `LoadGenerator` each, whose replicas publish through the
 product's `Publisher` (one per shard, stepped every 2 s: a publish per replica per shard
 per flush, doubling as its heartbeat) and ask `query` like replicas that miss and follow
-no view (one call per shard a request's keys touch). Two cores cannot offer the model's
+no view (one call per shard a request's keys touch). With --publish relayed (the default,
+what queried replicas do) a process's replicas publish through one `PublishRelay` in the
+process, as a node's through its NodeAgent's (the hop from a replica to its agent is the
+node's cost: bench/relay.py); with direct, each to every shard; each path is measured in
+turn at every point. Two cores cannot offer the model's
 rates: each replica offers --events-per-s stores and evictions and --requests-per-s
 requests of 90 keys, and the output says so beside the model's. Each point: fill (every
 replica registers 2,048 held keys), the shards' idle CPU for 2 s, their CPU per stats
