@@ -9,6 +9,7 @@ import uuid
 import pytest
 import ray
 from clusters import simulated_cluster
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from distkv.directory import DirectoryLink, ReplicaInfo, pack, shard_of
 from distkv.names import segment_name
@@ -77,9 +78,19 @@ def wait_until(condition, timeout_s: float, what: str) -> float:
     return time.monotonic() - start
 
 
+@ray.remote(num_cpus=0)
+def on_node() -> str:
+    return ray.get_runtime_context().get_node_id()
+
+
 def test_a_shard_whose_node_died_restarts_elsewhere_and_is_refilled(cluster):
     nodes = [cluster.add_node(num_cpus=1, object_store_memory=100 * MB) for _ in range(2)]
     cluster.wait_for_nodes()
+    # Ray's scheduler knows a node some time after its table says it is alive; until then a
+    # soft affinity to it falls back to the head (all three shards did, once). A task pinned
+    # to each node runs once the scheduler can place work there.
+    pinned = [on_node.options(scheduling_strategy=NodeAffinitySchedulingStrategy(n.node_id, soft=False)).remote() for n in nodes]
+    assert ray.get(pinned, timeout=120) == [n.node_id for n in nodes]
     namespace = "test" + uuid.uuid4().hex[:8]
     num_shards = 3
     shards = get_or_create_shards(namespace, num_shards)
