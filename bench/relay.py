@@ -31,6 +31,7 @@ from distkv.directory_state import ReplicaInfo, pack  # noqa: E402
 from distkv.names import segment_name  # noqa: E402
 from ray_actors.directory import get_or_create_shards, kill_shards  # noqa: E402
 from ray_actors.node_agent import start_node_agent  # noqa: E402
+from scale import actor_processes  # noqa: E402  (bench/, this script's directory)
 
 MiB = 1 << 20
 ROWS = 1 << 16
@@ -38,23 +39,6 @@ ROWS = 1 << 16
 
 def key(i: int) -> bytes:
     return i.to_bytes(8, "big") * 4 + b"\0\0\0\0"
-
-
-def actor_processes(name: str, count: int, timeout_s: float = 60.0) -> list[psutil.Process]:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        found = []
-        for process in psutil.Process().children(recursive=True):
-            try:
-                if name in " ".join(process.cmdline()):
-                    found.append(process)
-            except psutil.Error:
-                continue
-        if len(found) == count:
-            return found
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"{len(found)} {name} processes, not {count}")
-        time.sleep(0.2)
 
 
 def cpu_seconds(processes: list[psutil.Process]) -> float:

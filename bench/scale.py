@@ -808,22 +808,22 @@ class LoadProcess:
             generator.step_busy(time.monotonic())
 
 
-def shard_processes(count: int, timeout_s: float = 60.0) -> list[psutil.Process]:
-    """The `count` Directory shard worker processes (all this driver's descendants that
-    run a DirectoryShard), once there are exactly that many."""
+def actor_processes(actor_class: str, count: int, timeout_s: float = 60.0) -> list[psutil.Process]:
+    """The `count` worker processes of `actor_class` actors (all this driver's descendants
+    that run one), once there are exactly that many."""
     deadline = time.monotonic() + timeout_s
     while True:
         found = []
         for process in psutil.Process().children(recursive=True):
             try:
-                if "DirectoryShard" in " ".join(process.cmdline()):
+                if actor_class in " ".join(process.cmdline()):
                     found.append(process)
             except psutil.Error:
                 continue
         if len(found) == count:
             return found
         if time.monotonic() > deadline:
-            raise RuntimeError(f"{len(found)} DirectoryShard processes, not {count}")
+            raise RuntimeError(f"{len(found)} {actor_class} processes, not {count}")
         time.sleep(0.2)
 
 
@@ -881,7 +881,7 @@ def generator_point(
     processes: list = []
     try:
         shards_stats(handles)
-        shard_procs = shard_processes(num_shards)
+        shard_procs = actor_processes("DirectoryShard", num_shards)
         count = min(GENERATOR_PROCESSES, num_replicas)
         processes = [
             LoadProcess.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node_ids[p % len(node_ids)], soft=False)).remote(
