@@ -51,9 +51,9 @@ from distkv.directory_state import (
     unpack,
 )
 from distkv.manager import check_keys
-from distkv.relay import RelayBatch, RelayedShard
 from distkv.errors import ErrorLog
 from distkv.metrics import MAX_OBSERVATIONS
+from distkv.relay import RelayBatch, RelayedShard
 
 __all__ = [
     "FLUSH_INTERVAL_S", "ChangeLog", "Changes", "Cursor", "DIRECTORY_VIEWS", "DirectoryLink", "DirectoryState", "Follower",
@@ -609,8 +609,8 @@ class DirectoryLink:
 
     `shards`: the namespace's shards, in order; `relay`: the way to the node's relay
     (`distkv.relay`), which a queried link publishes through, each step's publishes in one
-    call: beyond a few replicas a shard's calls, not their changes, are its cost. A block goes to the shard its manager
-    placed it on (`ready`, `promoted`, `dropped`: its block's `shard`), or, from `stored` and
+    call: beyond a few replicas a shard's calls, not their changes, are its cost. A block
+    goes to the shard its manager placed it on (`ready`, `promoted`, `dropped`: its block's `shard`), or, from `stored` and
     `removed`, to its own key's (`shard_of(key, len(shards))`).
     Usage: `link = DirectoryLink(ns, info, shards); link.start(); ...; link.close()`.
     """

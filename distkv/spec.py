@@ -120,9 +120,9 @@ def join_cluster(plan: ReplicaPlan, pool: HostPool, local: LocalOffloadingManage
     """The replica's manager in its Ray cluster.
 
     Joins the cluster (`ray_address`; none starts an embedded local Ray), makes sure this
-    node's NodeAgent runs (a queried link publishes through it), registers the replica with the Directory, waits (up to
-    DIRECTORY_SYNC_TIMEOUT_S) for the Directory's view, so that the replica's first lookups
-    already find what other replicas hold, and wraps `local`.
+    node's NodeAgent runs (a queried link publishes through it), registers the replica with
+    the Directory, waits (up to DIRECTORY_SYNC_TIMEOUT_S) for the Directory's view, so that
+    the replica's first lookups already find what other replicas hold, and wraps `local`.
     `pool` is the scheduler's mapping of the replica's pool: it claims the replica's name
     until it closes, and a ValueError says so if a live replica on this node has it.
 

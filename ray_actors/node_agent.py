@@ -24,8 +24,8 @@ from ray_actors.directory import find_shards
 # Reads of pool rows the agent serves at once, each on a thread of its own: a read copies
 # rows, which releases the GIL.
 READ_THREADS = 8
-# Calls the agent runs at once: reads waiting for a thread, and the relayed publishes of
-# the node's replicas, one per replica and shard while it waits for the relay's call.
+# Calls the agent runs at once: reads waiting for a thread, and the node's replicas'
+# relayed publishes, a call per replica while its step's publishes wait for the relay.
 MAX_CALLS = 1 << 14
 
 
