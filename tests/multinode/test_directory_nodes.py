@@ -134,9 +134,14 @@ def test_a_shard_whose_node_died_restarts_elsewhere_and_is_refilled(cluster):
         stats = ray.get(lost.stats.remote(), timeout=10)
         assert stats["node_id"] != lost_node.node_id
         assert stats["node_id"] in {head} | {n.node_id for n in nodes if n is not lost_node}
-        # the replicas re-publish: b's view, and the restarted shard itself, hold a's blocks again
+        # the replicas re-publish: the restarted shard itself, and b's view, hold a's blocks
+        # again (b's view alone is no proof: until its poll's retry reaches the restarted
+        # shard, it still holds what the lost one had sent)
         took = wait_until(
-            lambda: all(b.holders(k) and b.holders(k)[0].replica_id == "a" for k in keys), 10, "hits return"
+            lambda: all(hs for hs in b.query(keys))
+            and all(b.holders(k) and b.holders(k)[0].replica_id == "a" for k in keys),
+            10,
+            "hits return",
         )
         print(f"hits returned {time.monotonic() - removed_at:.2f} s after remove_node ({took:.2f} s after the restart)")
         assert [sorted(h.replica_id for h in hs) for hs in b.query(keys)] == [["a"]] * len(keys)
