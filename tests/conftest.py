@@ -4,7 +4,28 @@ Ray is imported by the fixtures that start it, so that the suites that need no R
 where there is none (tests/gpu on a GPU machine).
 """
 
+import os
+import sys
+
 import pytest
+
+_exit_status = 0
+
+
+def pytest_sessionfinish(session, exitstatus):
+    global _exit_status
+    _exit_status = int(exitstatus)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_unconfigure(config):
+    """Leave with pytest's own exit status, without the interpreter's finalization: in two
+    of four runs of the whole suite in a fresh clone the process crashed (SIGSEGV) after
+    printing its summary of all tests passed, while native threads (Ray's, UCX's) were
+    still running. The cause is not found (docs/faults.md); a failed test still fails."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(_exit_status)
 
 
 def kill_named_actors() -> None:
