@@ -32,14 +32,18 @@ process, as a node's through its NodeAgent's (the hop from a replica to its agen
 node's cost: bench/relay.py); with direct, each to every shard; each path is measured in
 turn at every point. Two cores cannot offer the model's
 rates: each replica offers --events-per-s stores and evictions and --requests-per-s
-requests of 90 keys, and the output says so beside the model's. Each point: fill (every
-replica registers 2,048 held keys), the shards' idle CPU for 2 s, their CPU per stats
-call, then --seconds of load and a drain:
+requests of 90 keys, and the output says so beside the model's. Each point: the shards'
+CPU per stats call and idle CPU for 2 s, fill (every replica registers 2,048 held keys
+and heartbeats from then on), then --seconds of load and a drain:
   events           offered by the generators, applied by the shards (their stats), lost
   Directory CPU    cores of all shard processes (psutil), of the busiest, idle; per
                    applied event, per call (every register, publish and query)
   query            wall time from a request's first call to its last answer, p50 and
-                   p99, in the generator processes; calls per request; keys that hit
+                   p99, in the generator processes (each runs at a 1 ms GIL slice: it
+                   hosts many replicas, which would be processes of their own); calls per
+                   request; keys that hit
+  gen late         how late the generators' 50 ms steps ran, p99 and max: far behind,
+                   the load went out later than offered
   model            the Directory's cores predicted by docs/scale.md's model from the
                    offered load, with the cost per stats call and with the cost per call
                    fitted to the points; the CPU per event at the model's rates
@@ -742,6 +746,10 @@ def _hits(future: Future) -> int:
 
 GENERATOR_PROCESSES = 4
 GENERATOR_NODES = 3  # simulated nodes besides the head; shards and generator processes spread over all four
+# A generator process hosts many replicas, each of which would be a process of its own: at
+# Python's default GIL slice (5 ms) the thread that takes in one replica's answer waits that
+# long behind the others' work, which a replica's own process would not make it do.
+GENERATOR_SWITCH_INTERVAL_S = 0.001
 ANSWER_TIMEOUT_S = 10.0
 IDLE_S = 2.0  # the shards' CPU with no calls, measured for this long before the load
 
@@ -756,6 +764,7 @@ class LoadProcess:
     cost); else each to the shards itself."""
 
     def __init__(self, namespace: str, num_shards: int, replicas: list[int], rates: LoadRates, relayed: bool) -> None:
+        sys.setswitchinterval(GENERATOR_SWITCH_INTERVAL_S)
         node_id = ray.get_runtime_context().get_node_id()
         clients = shard_clients(namespace, num_shards)
         self.relay = None
@@ -764,25 +773,42 @@ class LoadProcess:
             self.relay.start()
             clients = [RelayedShard(client, i, namespace, self.relay.publish) for i, client in enumerate(clients)]
         self.generator = LoadGenerator(namespace, node_id, replicas, clients, rates)
+        self._stop_heartbeats = threading.Event()
+        self._heartbeats: threading.Thread | None = None
 
     def fill(self) -> None:
         """Register every replica with its `held` keys, and wait until the shards have them.
         The process then makes no full garbage collection by itself, as a shard does: its
-        replicas' keys would make each one pause the answers it times."""
+        replicas' keys would make each one pause the answers it times. Until `run`, a
+        thread keeps the replicas' heartbeats going, as live replicas do: the other
+        processes may fill for longer than the shards wait for a silent replica."""
         self.generator.fill(time.monotonic())
         self._drain()
         gc.collect()
         defer_full_collections()
+        self._heartbeats = threading.Thread(target=self._heartbeat, name="heartbeats", daemon=True)
+        self._heartbeats.start()
+
+    def _heartbeat(self) -> None:
+        while not self._stop_heartbeats.wait(GENERATOR_TICK_S):
+            self.generator.step(time.monotonic(), offer=False)
 
     def run(self, seconds: float) -> dict[str, Any]:
-        """Offer the load for `seconds`, then publish what is pending and wait for the answers."""
+        """Offer the load for `seconds`, then publish what is pending and wait for the answers;
+        with how late each of its steps ran (if far behind, the load went out later than offered)."""
         generator = self.generator
+        self._stop_heartbeats.set()
+        if self._heartbeats is not None:
+            self._heartbeats.join()
         cpu = time.process_time()
         start = time.monotonic()
         generator.start(start)
         ticks = 0
+        late: list[float] = []
         while time.monotonic() < start + seconds:
-            generator.step(time.monotonic())
+            now = time.monotonic()
+            late.append(now - (start + ticks * GENERATOR_TICK_S))
+            generator.step(now)
             ticks += 1
             time.sleep(max(0.0, start + ticks * GENERATOR_TICK_S - time.monotonic()))
         self._drain()
@@ -794,6 +820,7 @@ class LoadProcess:
             "latencies": generator.latencies(),
             "cpu_s": time.process_time() - cpu,
             "wall_s": time.monotonic() - start,
+            "steps_late_s": late,
         }
 
     def _drain(self) -> None:
@@ -882,6 +909,11 @@ def generator_point(
     try:
         shards_stats(handles)
         shard_procs = actor_processes("DirectoryShard", num_shards)
+        # what a call and no call cost the shards, before the replicas' calls begin
+        per_call = call_cpu(handles[0], shard_procs, calls=1000)
+        idle_before, idle_started = sum(cpu_seconds(p) for p in shard_procs), time.monotonic()
+        time.sleep(IDLE_S)
+        idle_cores = (sum(cpu_seconds(p) for p in shard_procs) - idle_before) / (time.monotonic() - idle_started)
         count = min(GENERATOR_PROCESSES, num_replicas)
         processes = [
             LoadProcess.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node_ids[p % len(node_ids)], soft=False)).remote(
@@ -890,10 +922,6 @@ def generator_point(
             for p in range(count)
         ]
         ray.get([p.fill.remote() for p in processes])
-        per_call = call_cpu(handles[0], shard_procs, calls=1000)
-        idle_before, idle_started = sum(cpu_seconds(p) for p in shard_procs), time.monotonic()
-        time.sleep(IDLE_S)
-        idle_cores = (sum(cpu_seconds(p) for p in shard_procs) - idle_before) / (time.monotonic() - idle_started)
         load = os.getloadavg()
         before = shards_stats(handles)
         cpu_before = [cpu_seconds(p) for p in shard_procs]
@@ -912,6 +940,7 @@ def generator_point(
         offered.update({k: v for k, v in result.items() if isinstance(v, int)})
     latencies = [s for result in results for s in result["latencies"]]
     q = statistics.quantiles(latencies, n=100, method="inclusive") if len(latencies) > 1 else [float("nan")] * 99
+    steps_late = [s for result in results for s in result["steps_late_s"]]
     events_offered = offered["stored"] + offered["removed"]
     events_applied = delta.get("stored", 0) + delta.get("removed", 0)
     calls = sum(delta.get(k, 0) for k in CALL_COUNTERS) - delta.get("relayed_publishes", 0)
@@ -958,6 +987,8 @@ def generator_point(
         "directory_idle_cores": idle_cores,
         "publishes_per_s": publish_calls / wall,
         "generator_cores": sum(r["cpu_s"] for r in results) / wall,
+        "generator_step_late_p99_ms": statistics.quantiles(steps_late, n=100, method="inclusive")[98] * 1e3,
+        "generator_step_late_max_ms": max(steps_late) * 1e3,
         "directory_keys": after["keys"],
         "publish_errors": offered["publish_errors"],
     }
@@ -1186,7 +1217,7 @@ def print_generator(points: list[dict[str, Any]], rates: LoadRates, model: dict[
     print(
         f"{'replicas':>8} {'shards':>6} {'publish':>8} {'load':>5} {'offered ev':>11} {'applied':>9} {'lost':>5} {'calls/s':>8} {'Dir cores':>9} "
         f"{'idle':>6} {'busiest':>8} {'us/event':>9} {'@model e':>9} {'us/call':>8} {'us/stats':>9} {'calls/req':>9} "
-        f"{'q p50 ms':>9} {'q p99 ms':>9} {'hit':>5} {'model':>7} {'refit':>7} {'gen cores':>9}"
+        f"{'q p50 ms':>9} {'q p99 ms':>9} {'hit':>5} {'model':>7} {'refit':>7} {'gen cores':>9} {'gen late ms':>11}"
     )
     for p, m in zip(points, model["points"]):
         print(
@@ -1196,14 +1227,16 @@ def print_generator(points: list[dict[str, Any]], rates: LoadRates, model: dict[
             f"{m['us_per_event_at_model_rates'] or float('nan'):>9.1f} {p['directory_cpu_us_per_call'] or float('nan'):>8.0f} "
             f"{p['directory_cpu_us_per_stats_call']:>9.0f} {p['query_calls_per_request'] or float('nan'):>9.1f} "
             f"{p['query_p50_ms']:>9.2f} {p['query_p99_ms']:>9.2f} {p['query_hit_rate'] or 0:>5.0%} {m['predicted_cores']:>7.3f} "
-            f"{m['refit_cores'] or float('nan'):>7.3f} {p['generator_cores']:>9.3f}"
+            f"{m['refit_cores'] or float('nan'):>7.3f} {p['generator_cores']:>9.3f} "
+            f"{p['generator_step_late_p99_ms']:>5.0f}/{p['generator_step_late_max_ms']:<5.0f}"
         )
     if model["c_call_fitted"] is not None:
         print(
             f"model: cores = idle + calls/s * c_call + events/s * {model['c_pub'] * 1e6:.2f} us + keys queried/s * "
             f"{model['c_query'] * 1e6:.2f} us (the state's costs at {model['at_state_keys']:,} keys); 'model' with c_call = us/stats, "
             f"'refit' with c_call = {model['c_call_fitted'] * 1e6:.0f} us fitted to these points; '@model e': us/event amortised "
-            f"at the model's {MODEL_EVENTS_PER_S} events/s per replica (same publishes, refit c_call)"
+            f"at the model's {MODEL_EVENTS_PER_S} events/s per replica (same publishes, refit c_call); 'gen late': p99/max of how "
+            f"late the generators' {GENERATOR_TICK_S * 1e3:.0f} ms steps ran"
         )
 
 
