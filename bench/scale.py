@@ -44,6 +44,8 @@ and heartbeats from then on), then --seconds of load and a drain:
                    request; keys that hit
   gen late         how late the generators' 50 ms steps ran, p99 and max: far behind,
                    the load went out later than offered
+  machine          cores busy (all processes), and the share of the CPU time the
+                   virtual machine's host took for others (steal)
   model            the Directory's cores predicted by docs/scale.md's model from the
                    offered load, with the cost per stats call and with the cost per call
                    fitted to the points; the CPU per event at the model's rates
@@ -793,13 +795,16 @@ class LoadProcess:
         while not self._stop_heartbeats.wait(GENERATOR_TICK_S):
             self.generator.step(time.monotonic(), offer=False)
 
-    def run(self, seconds: float) -> dict[str, Any]:
-        """Offer the load for `seconds`, then publish what is pending and wait for the answers;
-        with how late each of its steps ran (if far behind, the load went out later than offered)."""
+    def run(self, seconds: float, phase_s: float = 0.0) -> dict[str, Any]:
+        """Offer the load for `seconds`, its steps starting `phase_s` later than another
+        process's may (the steps of replicas on different nodes are not in step), then publish
+        what is pending and wait for the answers; with how late each of its steps ran (if far
+        behind, the load went out later than offered)."""
         generator = self.generator
         self._stop_heartbeats.set()
         if self._heartbeats is not None:
             self._heartbeats.join()
+        time.sleep(phase_s)
         cpu = time.process_time()
         start = time.monotonic()
         generator.start(start)
@@ -857,6 +862,12 @@ def actor_processes(actor_class: str, count: int, timeout_s: float = 60.0) -> li
 # the shard's operation counters that are each one call, but for the publishes a relay
 # carried (`relayed_publishes`), which came in `relay_calls`
 CALL_COUNTERS = ("registers", "unregisters", "publishes", "ignored_publishes", "unknown_publishes", "queries", "relay_calls")
+
+
+def machine_field(times: list[float], name: str) -> float:
+    """Field `name` of a difference of two `psutil.cpu_times()`, 0 where this system has none."""
+    fields = psutil.cpu_times()._fields
+    return times[fields.index(name)] if name in fields else 0.0
 
 
 def shards_stats(handles: list) -> collections.Counter:
@@ -925,9 +936,11 @@ def generator_point(
         load = os.getloadavg()
         before = shards_stats(handles)
         cpu_before = [cpu_seconds(p) for p in shard_procs]
+        machine_before = psutil.cpu_times()
         started = time.monotonic()
-        results = ray.get([p.run.remote(seconds) for p in processes])
+        results = ray.get([p.run.remote(seconds, GENERATOR_TICK_S * i / count) for i, p in enumerate(processes)])
         wall = time.monotonic() - started
+        machine = [after - before for after, before in zip(psutil.cpu_times(), machine_before)]
         cpu = [cpu_seconds(p) - c for p, c in zip(shard_procs, cpu_before)]
         after = shards_stats(handles)
     finally:
@@ -991,6 +1004,10 @@ def generator_point(
         "generator_step_late_max_ms": max(steps_late) * 1e3,
         "directory_keys": after["keys"],
         "publish_errors": offered["publish_errors"],
+        # the machine's cores busy over the load, and the share of its CPU time its host
+        # took for others (steal): the same load ran with slower queries under more steal
+        "machine_busy_cores": (sum(machine) - machine_field(machine, "idle") - machine_field(machine, "steal")) / wall,
+        "machine_steal_share": machine_field(machine, "steal") / sum(machine),
     }
 
 
@@ -1217,7 +1234,7 @@ def print_generator(points: list[dict[str, Any]], rates: LoadRates, model: dict[
     print(
         f"{'replicas':>8} {'shards':>6} {'publish':>8} {'load':>5} {'offered ev':>11} {'applied':>9} {'lost':>5} {'calls/s':>8} {'Dir cores':>9} "
         f"{'idle':>6} {'busiest':>8} {'us/event':>9} {'@model e':>9} {'us/call':>8} {'us/stats':>9} {'calls/req':>9} "
-        f"{'q p50 ms':>9} {'q p99 ms':>9} {'hit':>5} {'model':>7} {'refit':>7} {'gen cores':>9} {'gen late ms':>11}"
+        f"{'q p50 ms':>9} {'q p99 ms':>9} {'hit':>5} {'model':>7} {'refit':>7} {'gen cores':>9} {'gen late ms':>11} {'busy':>5} {'steal':>5}"
     )
     for p, m in zip(points, model["points"]):
         print(
@@ -1228,7 +1245,8 @@ def print_generator(points: list[dict[str, Any]], rates: LoadRates, model: dict[
             f"{p['directory_cpu_us_per_stats_call']:>9.0f} {p['query_calls_per_request'] or float('nan'):>9.1f} "
             f"{p['query_p50_ms']:>9.2f} {p['query_p99_ms']:>9.2f} {p['query_hit_rate'] or 0:>5.0%} {m['predicted_cores']:>7.3f} "
             f"{m['refit_cores'] or float('nan'):>7.3f} {p['generator_cores']:>9.3f} "
-            f"{p['generator_step_late_p99_ms']:>5.0f}/{p['generator_step_late_max_ms']:<5.0f}"
+            f"{p['generator_step_late_p99_ms']:>5.0f}/{p['generator_step_late_max_ms']:<5.0f} "
+            f"{p['machine_busy_cores']:>5.2f} {p['machine_steal_share']:>5.0%}"
         )
     if model["c_call_fitted"] is not None:
         print(
@@ -1236,7 +1254,8 @@ def print_generator(points: list[dict[str, Any]], rates: LoadRates, model: dict[
             f"{model['c_query'] * 1e6:.2f} us (the state's costs at {model['at_state_keys']:,} keys); 'model' with c_call = us/stats, "
             f"'refit' with c_call = {model['c_call_fitted'] * 1e6:.0f} us fitted to these points; '@model e': us/event amortised "
             f"at the model's {MODEL_EVENTS_PER_S} events/s per replica (same publishes, refit c_call); 'gen late': p99/max of how "
-            f"late the generators' {GENERATOR_TICK_S * 1e3:.0f} ms steps ran"
+            f"late the generators' {GENERATOR_TICK_S * 1e3:.0f} ms steps ran; 'busy': the machine's cores busy, 'steal': the share of its CPU "
+            "time its host gave others"
         )
 
 
