@@ -71,6 +71,8 @@ class PublishRelay:
 
     `publish` may be called from any thread; `step(now)` sends what is due and returns
     when it next needs a step; `start` runs the steps on a thread of the relay's own.
+    `unused_s(now)` says how long the relay has served no replica, for its owner to
+    close one whose replicas are gone.
     """
 
     def __init__(self, namespace: str, shards: Sequence[RelayTarget], clock: Callable[[], float] = time.monotonic) -> None:
@@ -83,6 +85,7 @@ class PublishRelay:
         self._wake = threading.Event()
         self._stopping = False
         self._thread: threading.Thread | None = None
+        self._used_at = clock()  # the last publish handed over or call answered
 
     def publish(self, shard: int, replica_id: str, seq: int, changes: bytes, report: dict | None) -> Future:
         """Queue a replica's publish for `shard`; the Future of (epoch, whether the shard
@@ -90,9 +93,11 @@ class PublishRelay:
         if not isinstance(shard, int) or not 0 <= shard < len(self._routes):
             raise ValueError(f"PublishRelay.publish: shard {shard!r} is not one of the namespace's {len(self._routes)}")
         future: Future = Future()
+        now = self._clock()
         with self._lock:
             if self._stopping:
                 raise RuntimeError("PublishRelay.publish: the relay is closed")
+            self._used_at = now
             route = self._routes[shard]
             if len(route.queued) >= MAX_QUEUED:
                 raise RuntimeError(f"PublishRelay.publish: {MAX_QUEUED} publishes already wait for shard {shard}")
@@ -116,6 +121,7 @@ class PublishRelay:
                         route.interval = sending.result()[2]
                     settled.append((route.carried, sending))
                     route.sending, route.carried = None, []
+                    self._used_at = max(self._used_at, now)
                 if route.sending is not None or not route.queued:
                     continue
                 send_at = route.sent_at + route.interval
@@ -130,6 +136,7 @@ class PublishRelay:
                     sending = route.client.publish_many([item for item, _ in batch], self.namespace)
                 except Exception as e:
                     failed.append((carried, e))
+                    self._used_at = max(self._used_at, now)
                     continue
                 route.sending, route.carried = sending, carried
                 sending.add_done_callback(lambda _: self._wake.set())
@@ -140,6 +147,17 @@ class PublishRelay:
             for future in carried:
                 future.set_exception(error)
         return due
+
+    def unused_s(self, now: float) -> float:
+        """Seconds at `now` (on the relay's clock) since a publish was last handed over or
+        a call last answered, or since the relay was made; 0 while a publish waits or a
+        call is in flight. Counted from the answer too, not only from the publish: a
+        replica hands its next publish over once its previous one is answered, however
+        long the shard took to answer."""
+        with self._lock:
+            if any(route.queued or route.sending is not None for route in self._routes):
+                return 0.0
+            return max(0.0, now - self._used_at)
 
     def start(self) -> None:
         """Step on a thread of the relay's own until `close`."""

@@ -27,6 +27,9 @@ READ_THREADS = 8
 # Calls the agent runs at once: reads waiting for a thread, and the node's replicas'
 # relayed publishes, a call per replica while its step's publishes wait for the relay.
 MAX_CALLS = 1 << 14
+# A relay unused this long serves no live replica of this node: a live replica's link hands
+# its relay a publish every few seconds, as each publish is also its heartbeat.
+RELAY_IDLE_S = 60.0
 
 
 @ray.remote(num_cpus=0, max_concurrency=MAX_CALLS)
@@ -42,16 +45,21 @@ class NodeAgent:
       row rewritten while it was copied is a miss.
     - `relay` carries the publishes of the node's queried replicas to the Directory, a
       `distkv.relay.PublishRelay` per cache namespace: one call per shard per interval
-      for the whole node.
+      for the whole node. A relay unused for longer than `relay_idle_s` (its namespace's
+      replicas on this node are gone, or its shard count changed) is closed and
+      forgotten; a replica that publishes again later gets a new one.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, relay_idle_s: float = RELAY_IDLE_S) -> None:
         self._served = metrics.NodeAgentSource(metrics.this_node())
         self._pools = PoolReaders()
         self._readers = concurrent.futures.ThreadPoolExecutor(READ_THREADS, thread_name_prefix="distkv-read-rows")
         self._relays: dict[tuple[str, int], PublishRelay] = {}
+        self._relay_idle_s = relay_idle_s
         threading.Thread(target=self._prune_pools, name="distkv-prune-pools", daemon=True).start()
         metrics.register(self._served)
+        # Ray runs an async actor's __init__ on its event loop.
+        self._relay_closer = asyncio.get_running_loop().create_task(self._close_unused_relays())
 
     async def read_rows(
         self,
@@ -114,6 +122,20 @@ class NodeAgent:
             except Exception as e:
                 results.append(f"{type(e).__name__}: {e}")
         return results
+
+    async def _close_unused_relays(self) -> None:
+        """Close and forget the relays unused for longer than `relay_idle_s`. On the event
+        loop, which `relay` holds from its look-up of a relay to its publishes to it: no
+        publish is handed to a relay once it was taken out of `_relays`."""
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(self._relay_idle_s / 2)
+            now = time.monotonic()  # the relays' clock
+            unused = [key for key, relay in self._relays.items() if relay.unused_s(now) > self._relay_idle_s]
+            # every one out of `_relays` before the first await, where `relay` may use one again
+            closing = [self._relays.pop(key) for key in unused]
+            # close joins the relay's thread: not on the event loop
+            await asyncio.gather(*(loop.run_in_executor(None, relay.close) for relay in closing))
 
     def _prune_pools(self) -> None:
         while True:

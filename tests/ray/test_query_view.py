@@ -1,22 +1,30 @@
 """Replicas that query the Directory on a miss instead of following its pushed view, alone
-and beside replicas that follow it, through the real shards and spec on one local Ray."""
+and beside replicas that follow it, through the real shards and spec on one local Ray, and
+the node agent that relays their publishes."""
 
+import threading
 import time
 import uuid
 
 import pytest
 import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from distkv.directory import ReplicaInfo, pack, unpack
 from distkv.directory_state import shard_of
 from distkv.harness import Replica, block_keys
-from distkv.names import RAY_NAMESPACE, agent_name
-from ray_actors.directory import get_or_create_shards
+from distkv.names import RAY_NAMESPACE, agent_name, segment_name
+from ray_actors.directory import get_or_create_shards, kill_shards
+from ray_actors.node_agent import NodeAgent
 from test_cluster_ray import BLOCK_TOKENS, prompt
 from test_cluster_ray import replicas as any_replicas  # noqa: F401 (a fixture)
 
 SHARDS = 2
 # A generous bound for what is not under test: a store reaching the Directory.
 SETUP_TIMEOUT_S = 60.0
+# The idle time of a NodeAgent under test: long beside the few calls the test makes to see
+# its relay before it is unused for that long.
+RELAY_IDLE_S = 3.0
 
 
 @pytest.fixture
@@ -79,6 +87,50 @@ def test_publishes_go_on_through_a_restarted_node_agent(replicas):
     assert relayed_publishes(a.spec.namespace) > before
     result = b.serve(tokens)
     assert (result.hit_blocks, result.mismatches, result.load_failures) == (32, 0, 0)
+
+
+def agent_relays(agent: ray.actor.ActorHandle, namespace: str) -> tuple[list, int]:
+    """The agent's relays, and how many threads of `namespace`'s relay run in its process."""
+    def look(self):
+        threads = [t for t in threading.enumerate() if t.name == f"distkv-relay-{namespace}" and t.is_alive()]
+        return list(self._relays), len(threads)
+
+    return ray.get(agent.__ray_call__.remote(look))
+
+
+def test_an_agent_closes_a_relay_nobody_uses_and_a_later_publish_gets_a_new_one(ray_session):
+    namespace = f"idle_{uuid.uuid4().hex}"
+    # the replica stays silent while its relay idles: the shards must not expire it meanwhile
+    shards = get_or_create_shards(namespace, SHARDS, replica_timeout_s=10 * SETUP_TIMEOUT_S)
+    node_id = ray.get_runtime_context().get_node_id()
+    # an agent of its own beside the node's, with a short idle time
+    on_this_node = NodeAffinitySchedulingStrategy(node_id, soft=False)
+    agent = NodeAgent.options(scheduling_strategy=on_this_node).remote(relay_idle_s=RELAY_IDLE_S)
+    try:
+        first, second = block_keys(prompt(6), BLOCK_TOKENS)[:2]
+        shard = shard_of(first, SHARDS)
+        info = ReplicaInfo("r", node_id, segment_name(namespace, "r"), 64, 1, 4096)
+        ray.get(shards[shard].register.remote(info, 0, pack([]), namespace=namespace))
+
+        def publish(seq: int, key: bytes) -> None:
+            items = [(shard, "r", seq, pack(([(key, seq, seq)], [])), None)]
+            [answer] = ray.get(agent.relay.remote(namespace, SHARDS, items))
+            assert not isinstance(answer, str) and answer[1] is True, answer
+
+        publish(1, first)
+        assert agent_relays(agent, namespace) == ([(namespace, SHARDS)], 1)
+        deadline = time.monotonic() + SETUP_TIMEOUT_S
+        while agent_relays(agent, namespace) != ([], 0):
+            assert time.monotonic() < deadline, "the agent never closed its unused relay"
+            time.sleep(0.05)
+
+        publish(2, second)  # through a new relay
+        assert agent_relays(agent, namespace) == ([(namespace, SHARDS)], 1)
+        holders, _ = unpack(ray.get(shards[shard].query.remote([first, second], namespace=namespace)))
+        assert [[h[0] for h in key_holders] for key_holders in holders] == [["r"], ["r"]]
+    finally:
+        ray.kill(agent)
+        kill_shards(namespace)
 
 
 def test_pushed_and_queried_replicas_share_both_ways(replicas):

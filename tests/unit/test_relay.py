@@ -249,6 +249,35 @@ def test_the_relay_thread_sends_a_publish_handed_over_after_a_long_sleep():
         relay.close()
 
 
+def test_a_relay_is_unused_since_its_last_publish_or_answer_and_never_while_it_carries_one():
+    shards = [FakeShard(), FakeShard()]
+    for shard in shards:
+        shard.state.register(info("a"))
+    clock = [100.0]
+    relay = PublishRelay("ns", shards, clock=lambda: clock[0])
+    assert relay.unused_s(130.0) == 30.0  # made at 100, never handed a publish
+
+    clock[0] = 140.0
+    relay.publish(0, "a", 1, pack(([(key(1), 1, 2)], [])), None)
+    relay.step(140.0)
+    shards[0].answer()
+    relay.step(140.0)
+    assert relay.unused_s(140.0) == 0.0 and relay.unused_s(165.0) == 25.0  # since the publish
+
+    clock[0] = 200.0
+    future = relay.publish(1, "a", 1, pack(([(key(2), 2, 3)], [])), None)
+    assert relay.unused_s(260.0) == 0.0  # queued for shard 1 (shard 0 has nothing)
+    relay.step(260.0)
+    assert shards[1].in_flight() == ["publish_many"]
+    assert relay.unused_s(300.0) == 0.0  # in flight
+    shards[1].answer()
+    assert relay.unused_s(300.0) == 0.0  # answered, the answer not collected by a step yet
+    relay.step(310.0)
+    assert future.result()[1] is True
+    # counted from the answer: its replica hands the next publish over once answered
+    assert relay.unused_s(310.0) == 0.0 and relay.unused_s(340.0) == 30.0
+
+
 class Agent:
     """A node's agent as a replica's RelayBatch calls it: runs each handed publish through
     the relay and answers per item, once the test lets it (`answer`)."""
