@@ -364,6 +364,92 @@ class ChangeLog:
 # entry at least), so that a follower far behind costs the shard bounded work per answer
 # and catches up over several; its cursor goes on from the last entry it got.
 MAX_ANSWER_KEYS = 1 << 14
+# A snapshot is collected and packed this many keys at a time (`SnapshotBuilder.step`), its
+# shard taking other calls in between.
+SNAPSHOT_STEP_KEYS = 1 << 11
+
+
+class _PackedEntries:
+    """A snapshot answer's entries: the chunks a `SnapshotBuilder` packed, then the log's
+    entries since its cursor. Pickled, the chunks cost a copy of their bytes, not a pass
+    over every entry; unpickled, they are one plain list of entries, in order."""
+
+    def __init__(self, chunks: list[bytes], tail: list[LogEntry]) -> None:
+        self.chunks = chunks
+        self.tail = tail
+
+    def __reduce__(self):
+        return _joined, (self.chunks, self.tail)
+
+
+def _joined(chunks: list[bytes], tail: list[LogEntry]) -> list[LogEntry]:
+    """The entries of packed `chunks`, then `tail` (how `_PackedEntries` unpickles)."""
+    return [entry for chunk in chunks for entry in unpack(chunk)] + tail
+
+
+class Snapshot(NamedTuple):
+    """A complete `SnapshotBuilder`'s snapshot: the log's cursor it started at, and each
+    replica's holders in packed chunks, (replica_id, packed [LogEntry])."""
+
+    cursor: Cursor
+    chunks: list[tuple[str, bytes]]
+
+
+class SnapshotBuilder:
+    """A snapshot of a `DirectoryState`, collected and packed a step at a time while the
+    state goes on changing in between.
+
+    It starts at the state's `cursor`; each `step` takes up to `max_keys` more of a
+    replica's holders as they are when it runs. The snapshot followed by the log's entries
+    since `cursor` is exactly the state (`DirectoryState.snapshot_answer`): for each key
+    and replica, those entries replay every change after `cursor` in order (a store sets
+    the holder, a removal drops it), and where there was none, the holder a step took is
+    the one at `cursor` (a fuzzy snapshot and its redo log). Only the state's own thread
+    steps it.
+    """
+
+    def __init__(self, state: DirectoryState) -> None:
+        self._state = state
+        self.cursor = state.cursor()
+        self._pending = list(state._replicas)  # the replicas still to collect, in turn
+        self._replica: str | None = None
+        self._keys: list[OffloadKey] = []  # the current replica's keys still to collect
+        self._chunks: list[tuple[str, bytes]] = []
+        self._complete = False
+
+    def step(self, max_keys: int = SNAPSHOT_STEP_KEYS) -> bool:
+        """Collect and pack up to `max_keys` more holders; whether the snapshot is complete."""
+        state = self._state
+        left = max_keys
+        while left > 0:
+            if not self._keys:
+                if not self._pending:
+                    self._complete = True
+                    return True
+                self._replica = self._pending.pop()
+                replica = state._replicas.get(self._replica)
+                # one dropped since the cursor: the log removes its holders
+                self._keys = [] if replica is None else list(replica.keys)
+                continue
+            replica = state._replicas.get(self._replica)
+            if replica is None:  # dropped since the last step: the log removes its holders
+                self._keys = []
+                continue
+            taken = self._keys[-left:]
+            del self._keys[-left:]
+            left -= len(taken)
+            replica_id, holders = self._replica, state._holders
+            stored = [
+                (key, holder[2], holder[3]) for key in taken for holder in holders.get(key, ()) if holder[0] == replica_id
+            ]
+            self._chunks.append((replica_id, pack([(replica_id, replica.info.node_id, stored, [])])))
+        return False
+
+    def snapshot(self) -> Snapshot:
+        """The complete snapshot."""
+        if not self._complete:
+            raise RuntimeError("SnapshotBuilder.snapshot: the snapshot is not complete (step until it is)")
+        return Snapshot(self.cursor, self._chunks)
 
 
 class DirectoryState:
@@ -374,7 +460,8 @@ class DirectoryState:
     and is ignored. Every change lands in a log of about `log_capacity` keys that
     followers read with `changes`, MAX_ANSWER_KEYS at a time; a follower whose cursor
     fell off the log, or comes from another epoch (an earlier incarnation of the shard),
-    gets a snapshot instead. `packed_changes` packs each distinct answer once.
+    gets a snapshot instead. `packed_changes` packs each distinct answer once, and one
+    snapshot serves every follower that needs one while its cursor is in the log.
     """
 
     def __init__(self, log_capacity: int = 1 << 18, clock: Callable[[], float] = time.monotonic) -> None:
@@ -386,8 +473,10 @@ class DirectoryState:
         self._num_holders = 0
         self._ops = collections.Counter()
         # packed answers of `changes` by where they start, valid while the log is at `_packed_at`
+        # packed answers of `changes` by where they start (None: a snapshot), valid while the log is at `_packed_at`
         self._packed: dict[tuple[int, bool] | None, bytes] = {}
         self._packed_at: Cursor | None = None
+        self._snapshot: Snapshot | None = None  # the latest one built, which answers with the log since its cursor
 
     def register(self, info: ReplicaInfo) -> None:
         """Add a replica, holding nothing. A replica registered again loses its holders."""
@@ -570,7 +659,8 @@ class DirectoryState:
     def changes(self, cursor: Cursor | None) -> Changes:
         """The changes after `cursor` (None: from nothing), with the cursor that follows
         them: all of them, or the first entries of MAX_ANSWER_KEYS keys at most (the
-        answer's cursor then points before the latest; a snapshot is never cut short)."""
+        answer's cursor then points before the latest; a snapshot, of the state as it is
+        now, is never cut short)."""
         log = self._log
         now = log.cursor()
         position = log.position(cursor)
@@ -578,23 +668,24 @@ class DirectoryState:
             replicas = None if cursor[2] == now.replicas_version else self._replica_infos()
             entries = log.since(position, MAX_ANSWER_KEYS)
             return Changes(now._replace(position=position + len(entries)), entries, replicas, False)
-        self._ops["snapshots"] += 1
-        holders = self._holders
-        entries = []
-        for replica_id, replica in self._replicas.items():
-            stored = [
-                (key, h[2], h[3])
-                for key in replica.keys
-                for h in holders[key]
-                if h[0] == replica_id
-            ]
-            entries.append((replica_id, replica.info.node_id, stored, []))
-        return Changes(now, entries, self._replica_infos(), True)
+        changes = self.snapshot_answer(self._build_snapshot())
+        return changes._replace(entries=_joined(changes.entries.chunks, changes.entries.tail))
 
     def packed_changes(self, cursor: Cursor | None) -> bytes:
         """`pack(self.changes(cursor))`, packed once for every follower that asks from the
         same place until the log changes: one publish wakes every follower, and most of
-        them ask from the cursor of the change before it."""
+        them ask from the cursor of the change before it. A snapshot answer is the latest
+        snapshot built and the log since, or a snapshot built here at once."""
+        packed = self.packed_from_log(cursor)
+        if packed is None:
+            self.keep_snapshot(self._build_snapshot())
+            packed = self.packed_from_log(cursor)
+        return packed
+
+    def packed_from_log(self, cursor: Cursor | None) -> bytes | None:
+        """`packed_changes(cursor)` when it needs no snapshot built: the answer from the log,
+        or the snapshot kept (`keep_snapshot`) with the log since its cursor, while that
+        cursor is in the log; else None."""
         log = self._log
         now = log.cursor()
         if self._packed_at != now:
@@ -605,9 +696,43 @@ class DirectoryState:
         # whether it carries the set of replicas
         start = None if position is None else (position, cursor[2] == now.replicas_version)
         packed = self._packed.get(start)
-        if packed is None:
-            packed = self._packed[start] = pack(self.changes(cursor))
+        if packed is not None:
+            return packed
+        if position is None:
+            changes = None if self._snapshot is None else self.snapshot_answer(self._snapshot)
+            if changes is None:
+                return None
+        else:
+            changes = self.changes(cursor)
+        packed = self._packed[start] = pack(changes)
         return packed
+
+    def snapshot_builder(self) -> SnapshotBuilder:
+        """A snapshot to build a step at a time, from the state's cursor now (`SnapshotBuilder`)."""
+        self._ops["snapshots"] += 1
+        return SnapshotBuilder(self)
+
+    def keep_snapshot(self, snapshot: Snapshot) -> None:
+        """Answer the followers that need a snapshot with `snapshot` and the log since its
+        cursor, while that cursor is in the log."""
+        self._snapshot = snapshot
+
+    def snapshot_answer(self, snapshot: Snapshot) -> Changes | None:
+        """The `changes` answer of a snapshot: `snapshot`'s chunks of the replicas registered
+        now, then the log's entries since its cursor, up to now; None if that cursor fell
+        off the log."""
+        position = self._log.position(snapshot.cursor)
+        if position is None:
+            return None
+        replicas = self._replica_infos()
+        chunks = [chunk for replica_id, chunk in snapshot.chunks if replica_id in replicas]
+        return Changes(self._log.cursor(), _PackedEntries(chunks, self._log.since(position)), replicas, True)
+
+    def _build_snapshot(self) -> Snapshot:
+        builder = self.snapshot_builder()
+        while not builder.step():
+            pass
+        return builder.snapshot()
 
     def stats(self) -> dict[str, int]:
         """Sizes (keys, holders, replicas, log entries) and operation counts."""

@@ -31,6 +31,7 @@ from distkv.directory_state import (
     Lateness,
     Relayed,
     ReplicaInfo,
+    SnapshotBuilder,
     check_namespace,
     check_stored,
     pack,
@@ -68,7 +69,9 @@ class DirectoryShard:
     Bulk payloads cross as `distkv.directory.pack`ed bytes: stored entries come as a
     packed list of (key, row, generation), changes and query answers go back packed.
     `changes` runs in FOLLOWERS_GROUP, every other method on the default event loop,
-    which alone changes the state; `_lock` keeps the followers' reads of it whole.
+    which alone changes the state; `_lock` keeps the followers' reads of it whole. A
+    snapshot is collected on the default loop a step at a time between its other calls
+    (`SnapshotBuilder`), and shared by the followers that need one meanwhile.
     """
 
     def __init__(self, replica_timeout_s: float = REPLICA_TIMEOUT_S, namespace: str = "", shard: int = 0) -> None:
@@ -83,9 +86,11 @@ class DirectoryShard:
         # there (and replaces it), which wakes the polls waiting on it
         self._changed: asyncio.Event | None = None
         self._followers_loop: asyncio.AbstractEventLoop | None = None
+        self._building: asyncio.Future | None = None  # on the followers' loop: the snapshot being built
         # Ray runs an async actor's __init__ on its event loop.
+        self._loop = asyncio.get_running_loop()
         defer_full_collections()
-        self._watcher = asyncio.get_running_loop().create_task(self._watch())
+        self._watcher = self._loop.create_task(self._watch())
 
     async def register(self, info: ReplicaInfo, seq: int, stored: bytes, namespace: str) -> tuple[str, bool, float]:
         """Register a replica afresh and publish everything it holds (packed entries), as one
@@ -178,7 +183,28 @@ class DirectoryShard:
             except asyncio.TimeoutError:
                 break
         with self._lock:
-            return self._state.packed_changes(cursor)
+            packed = self._state.packed_from_log(cursor)
+        if packed is None:
+            await self._snapshot()
+            with self._lock:
+                # at once, should the log have moved past the new snapshot's cursor meanwhile
+                packed = self._state.packed_changes(cursor)
+        return packed
+
+    async def _snapshot(self) -> None:
+        """On the followers' loop: build and keep a snapshot, or wait for the one being built."""
+        if self._building is None:
+            self._building = asyncio.ensure_future(self._build_snapshot())
+            self._building.add_done_callback(lambda _: setattr(self, "_building", None))
+        # a poll cancelled meanwhile leaves the build to the others that wait for it
+        await asyncio.shield(self._building)
+
+    async def _build_snapshot(self) -> None:
+        builder: SnapshotBuilder = await _run_on(self._loop, self._state.snapshot_builder)
+        while not await _run_on(self._loop, builder.step):
+            pass
+        with self._lock:
+            self._state.keep_snapshot(builder.snapshot())
 
     async def stats(self) -> dict[str, int | str]:
         with self._lock:
@@ -234,6 +260,20 @@ class DirectoryShard:
                 # a heartbeat may have waited in the queue as long as this wake-up ran late
                 self._state.expire(time.monotonic(), self._replica_timeout_s + self._lateness.worst())
             self._notify(before)
+
+
+async def _run_on(loop: asyncio.AbstractEventLoop, fn, *args):
+    """`fn(*args)` run on `loop`, another thread's, between its other callbacks; its result."""
+    done: Future = Future()
+
+    def run() -> None:
+        try:
+            done.set_result(fn(*args))
+        except BaseException as e:
+            done.set_exception(e)
+
+    loop.call_soon_threadsafe(run)
+    return await asyncio.wrap_future(done)
 
 
 def head_node_id() -> str:

@@ -348,14 +348,15 @@ def test_followers_at_one_cursor_share_one_packed_answer_until_the_log_changes(s
     assert len(packs) == 1 and all(a is answers[0] for a in answers)
     assert pickle.loads(answers[0]) == state.changes(behind)
     stale = [Cursor("an earlier epoch", 3, 0), None, Cursor(state.epoch, 10**6, 0)]
-    assert len({state.packed_changes(c) for c in stale}) == 1 and len(packs) == 2  # one snapshot for all
+    assert len({state.packed_changes(c) for c in stale}) == 1 and state.stats()["snapshots"] == 1  # one snapshot for all
+    packed = len(packs)
     state.packed_changes(Cursor(behind.epoch, behind.position, behind.replicas_version - 1))
-    assert len(packs) == 3  # that one needs the set of replicas too
+    assert len(packs) == packed + 1  # that one needs the set of replicas too
     state.publish("b", 1, [(key(3), 3, 3)], [])  # a change: answered afresh
-    assert pickle.loads(state.packed_changes(behind)) == state.changes(behind) and len(packs) == 4
+    assert pickle.loads(state.packed_changes(behind)) == state.changes(behind) and len(packs) == packed + 2
     state.publish("b", 1, [(key(3), 3, 3)], [])  # a retry changes nothing
     state.packed_changes(behind)
-    assert len(packs) == 4
+    assert len(packs) == packed + 2
 
 
 def test_shard_of_spreads_hashed_keys():
@@ -400,3 +401,112 @@ def test_bad_query_and_register_raise(state):
         ReplicaInfo("a", "n", "p", 0, 1, 1)
     with pytest.raises(ValueError, match="cursor"):
         state.changes(42)
+
+
+def as_sets(holders: dict) -> dict:
+    """Each key's holders as a set: their order in a key's tuple means nothing."""
+    return {k: set(v) for k, v in holders.items()}
+
+
+def caught_up(s: DirectoryState, view: ShardView) -> ShardView:
+    """`view` after following `s` until it has every change."""
+    while view.cursor != s.cursor():
+        follow(s, view)
+    return view
+
+
+def built(s: DirectoryState, between=lambda step: None, max_keys: int = 1) -> ShardView:
+    """A view that applied the answer of a snapshot of `s` built `max_keys` holders a step
+    at a time, `between(step)` changing `s` before each step and before the answer."""
+    builder = s.snapshot_builder()
+    step = 0
+    while True:
+        between(step)
+        step += 1
+        if builder.step(max_keys):
+            break
+    between(step)  # and once complete, before it is answered
+    view = ShardView()
+    view.apply(directory_state.unpack(directory_state.pack(s.snapshot_answer(builder.snapshot()))))
+    assert view.cursor == s.cursor()  # the answer carries the log since the snapshot's cursor
+    return view
+
+
+MUTATIONS = {
+    "store a new key": lambda s, seq: s.publish("a", seq, [(key(100 + seq), 1, seq)], []),
+    "store a held key again": lambda s, seq: s.publish("a", seq, [(key(seq % 6), 2, seq)], []),
+    "remove a held key": lambda s, seq: s.publish("b", seq, [], [key(3 + seq % 6)]),
+    "register again": lambda s, seq: (s.register(info("a")), s.publish("a", seq, [(key(0), 3, seq)], [])),
+    "unregister": lambda s, seq: s.unregister("b"),
+    "register another": lambda s, seq: (s.register(info("c", "node-3")), s.publish("c", seq, [(key(1), 4, seq)], [])),
+    "drop a node": lambda s, seq: s.drop_node("node-2"),
+}
+
+
+@pytest.mark.parametrize("mutation", MUTATIONS)
+def test_a_snapshot_built_while_the_state_changes_at_any_step_then_caught_up_is_the_state(mutation):
+    """A snapshot is built a step at a time, the shard taking publishes in between: the
+    change comes before each step in turn, and the follower still ends exactly at the state."""
+    positions = range(14)  # a change before each of the build's 13 steps in turn, or before its answer
+    for at in positions:
+        s = DirectoryState()
+        s.register(info("a", "node-1"))
+        s.register(info("b", "node-2"))
+        s.publish("a", 1, [(key(i), i, 1) for i in range(6)], [])
+        s.publish("b", 1, [(key(i), i + 6, 1) for i in range(3, 9)], [])
+        seqs = iter(range(2, 100))
+        view = built(s, lambda step: MUTATIONS[mutation](s, next(seqs)) if step == at else None)
+        truth = ShardView()
+        follow(s, truth)
+        assert as_sets(view.holders) == as_sets(truth.holders), (mutation, at)
+        assert view.replicas == truth.replicas and view.cursor == s.cursor()
+
+
+@settings(max_examples=150, deadline=None)
+@given(ops, ops, st.integers(1, 4))
+def test_followers_of_a_snapshot_built_among_changes_match_the_state(before, during, max_keys):
+    s = DirectoryState(log_capacity=1 << 10)
+    seqs = dict.fromkeys("abc", 0)
+
+    def run(op) -> None:
+        if op[0] == "publish":
+            _, r, stored, removed = op
+            seqs[r] += 1
+            s.publish(r, seqs[r], [(key(k), row, seqs[r]) for k, row in stored], [key(k) for k in removed])
+        elif op[0] == "register":
+            s.register(info(op[1], "node-1" if op[1] == "a" else "node-2"))
+        elif op[0] == "unregister":
+            s.unregister(op[1])
+        elif op[0] == "drop_node":
+            s.drop_node(op[1])
+
+    for op in before:
+        run(op)
+    view = built(s, lambda step: run(during[step]) if step < len(during) else None, max_keys)
+    truth = ShardView()
+    follow(s, truth)
+    assert as_sets(view.holders) == as_sets(truth.holders) and view.replicas == truth.replicas
+
+
+def test_one_snapshot_serves_the_followers_that_need_one_while_its_cursor_is_in_the_log(clock):
+    s = DirectoryState(log_capacity=4, clock=clock)
+    s.register(info("a"))
+    s.publish("a", 1, [(key(1), 1, 1)], [])
+
+    def joined() -> ShardView:
+        view = ShardView()
+        view.apply(pickle.loads(s.packed_changes(None)))
+        assert view.cursor == s.cursor()  # current from its first answer
+        return view
+
+    assert set(joined().holders) == {key(1)}
+    s.publish("a", 2, [(key(2), 2, 2)], [])
+    assert set(joined().holders) == {key(1), key(2)} and s.stats()["snapshots"] == 1  # the first, and the log since
+    s.publish("a", 3, [(key(i), i, 3) for i in range(3, 8)], [])  # the log moves past the snapshot's cursor
+    assert set(joined().holders) == {key(i) for i in range(1, 8)} and s.stats()["snapshots"] == 2
+
+
+def test_a_snapshot_is_answered_only_once_complete(state):
+    builder = state.snapshot_builder()
+    with pytest.raises(RuntimeError, match="not complete"):
+        builder.snapshot()
