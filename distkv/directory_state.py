@@ -717,6 +717,12 @@ class DirectoryState:
         cursor, while that cursor is in the log."""
         self._snapshot = snapshot
 
+    def drop_stale_snapshot(self) -> None:
+        """Let go of the kept snapshot once its cursor fell off the log: it answers no one
+        any more, and holds a packed copy of every holder."""
+        if self._snapshot is not None and self._log.position(self._snapshot.cursor) is None:
+            self._snapshot = None
+
     def snapshot_answer(self, snapshot: Snapshot) -> Changes | None:
         """The `changes` answer of a snapshot: `snapshot`'s chunks of the replicas registered
         now, then the log's entries since its cursor, up to now; None if that cursor fell

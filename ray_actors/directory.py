@@ -259,6 +259,7 @@ class DirectoryShard:
                         self._state.drop_node(node["NodeID"])
                 # a heartbeat may have waited in the queue as long as this wake-up ran late
                 self._state.expire(time.monotonic(), self._replica_timeout_s + self._lateness.worst())
+                self._state.drop_stale_snapshot()
             self._notify(before)
 
 

@@ -504,6 +504,13 @@ def test_one_snapshot_serves_the_followers_that_need_one_while_its_cursor_is_in_
     assert set(joined().holders) == {key(1), key(2)} and s.stats()["snapshots"] == 1  # the first, and the log since
     s.publish("a", 3, [(key(i), i, 3) for i in range(3, 8)], [])  # the log moves past the snapshot's cursor
     assert set(joined().holders) == {key(i) for i in range(1, 8)} and s.stats()["snapshots"] == 2
+    kept = s._snapshot
+    s.drop_stale_snapshot()
+    assert s._snapshot is kept  # its cursor is still in the log
+    s.publish("a", 4, [(key(i), i, 4) for i in range(8, 13)], [])
+    s.publish("a", 5, [(key(i), i, 5) for i in range(13, 15)], [])
+    s.drop_stale_snapshot()
+    assert s._snapshot is None  # nobody can be answered from it: its memory goes
 
 
 def test_a_snapshot_is_answered_only_once_complete(state):
