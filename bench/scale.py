@@ -49,6 +49,8 @@ and heartbeats from then on), then --seconds of load and a drain:
   model            the Directory's cores predicted by docs/scale.md's model from the
                    offered load, with the cost per stats call and with the cost per call
                    fitted to the points; the CPU per event at the model's rates
+A point whose changes do not all land within 120 s (DRAIN_TIMEOUT_S) is printed as not
+measured, with why, and the run goes on.
 --model: the model's shards and CPU for 1,000 replicas and 100M blocks from the inputs
 this run measured, or with --from PATH from an earlier run's --json (no measuring).
 
@@ -507,7 +509,7 @@ MODEL_EVENTS_PER_S = 1250
 MODEL_REQUESTS_PER_S = 20_000 / 2048
 MODEL_QUERY_KEYS = 90
 GENERATOR_TICK_S = 0.05  # a scheduler step: when a generator's replicas store, evict and ask
-DRAIN_TIMEOUT_S = 300.0  # generous: a fill of every replica to 16 shards saturates two cores for minutes
+DRAIN_TIMEOUT_S = 120.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -879,16 +881,17 @@ def shards_stats(handles: list) -> collections.Counter:
 
 def generator_scale(
     replica_counts: list[int], shard_counts: list[int], rates: LoadRates, seconds: float, paths: Sequence[str]
-) -> list[dict[str, Any]]:
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """Per (shards, replicas): the Directory's CPU, calls, events and query latency under
-    the lightweight replicas' load; see the module docstring."""
+    the lightweight replicas' load; see the module docstring. With the points that could
+    not be measured (replicas, shards, path and why), which the run goes on past."""
     token_auth_on()
     cluster = Cluster(
         initialize_head=True,
         connect=True,
         head_node_args={"num_cpus": 1, "object_store_memory": 100 * MiB, "include_dashboard": False},
     )
-    rows = []
+    rows, failed = [], []
     try:
         for _ in range(GENERATOR_NODES):
             cluster.add_node(num_cpus=1, object_store_memory=80 * MiB)
@@ -897,7 +900,12 @@ def generator_scale(
         for num_shards in shard_counts:
             for num_replicas in replica_counts:
                 for path in paths:
-                    rows.append(generator_point(num_replicas, num_shards, rates, seconds, node_ids, path))
+                    try:
+                        rows.append(generator_point(num_replicas, num_shards, rates, seconds, node_ids, path))
+                    except Exception as e:
+                        failed.append({"replicas": num_replicas, "shards": num_shards, "publish_path": path, "failed": f"{type(e).__name__}: {e}"})
+                        print(f"  {num_replicas} replicas, {num_shards} shards, {path}: FAILED {failed[-1]['failed'][-300:]}", file=sys.stderr, flush=True)
+                        continue
                     r = rows[-1]
                     print(
                         f"  {num_replicas} replicas, {num_shards} shards, {path}: {r['directory_cores']:.3f} cores, "
@@ -908,7 +916,7 @@ def generator_scale(
     finally:
         ray.shutdown()
         cluster.shutdown()
-    return rows
+    return rows, failed
 
 
 def generator_point(
@@ -1301,10 +1309,12 @@ def main() -> None:
         figures["replicas"] = replicas_scale(args.view_replicas, args.view_seconds)
         print_view_replicas(figures["replicas"])
     if args.replicas:
-        figures["generator"] = generator_scale(args.replicas, args.shards, rates, args.seconds, args.publish)
+        figures["generator"], figures["generator_failed"] = generator_scale(args.replicas, args.shards, rates, args.seconds, args.publish)
         figures["generator_rates"] = dataclasses.asdict(rates)
         figures["generator_model"] = generator_model(figures["generator"], figures["state"])
         print_generator(figures["generator"], rates, figures["generator_model"])
+        for point in figures["generator_failed"]:
+            print(f"not measured: {point['replicas']} replicas, {point['shards']} shards, {point['publish_path']}: {point['failed'][-300:]}")
     figures["load_average_end"] = os.getloadavg()
     if args.json:
         args.json.write_text(json.dumps(figures, indent=2))
