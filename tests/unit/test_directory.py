@@ -283,6 +283,20 @@ ops = st.lists(
 )
 
 
+def change(s: DirectoryState, seqs: dict[str, int], op: tuple) -> None:
+    """Apply one of `ops`' changes to `s` (not "follow"), numbering publishes in `seqs`."""
+    if op[0] == "publish":
+        _, r, stored, removed = op
+        seqs[r] += 1
+        s.publish(r, seqs[r], [(key(k), row, seqs[r]) for k, row in stored], [key(k) for k in removed])
+    elif op[0] == "register":
+        s.register(info(op[1], "node-1" if op[1] == "a" else "node-2"))
+    elif op[0] == "unregister":
+        s.unregister(op[1])
+    elif op[0] == "drop_node":
+        s.drop_node(op[1])
+
+
 @settings(max_examples=150, deadline=None)
 @given(ops, st.integers(1, 12))
 def test_followers_replaying_changes_match_the_state(program, log_capacity):
@@ -290,18 +304,10 @@ def test_followers_replaying_changes_match_the_state(program, log_capacity):
     views = [ShardView(), ShardView(exclude="a")]
     seqs = dict.fromkeys("abc", 0)
     for op in program:
-        if op[0] == "publish":
-            _, r, stored, removed = op
-            seqs[r] += 1
-            s.publish(r, seqs[r], [(key(k), row, seqs[r]) for k, row in stored], [key(k) for k in removed])
-        elif op[0] == "register":
-            s.register(info(op[1], "node-1" if op[1] == "a" else "node-2"))
-        elif op[0] == "unregister":
-            s.unregister(op[1])
-        elif op[0] == "drop_node":
-            s.drop_node(op[1])
-        else:
+        if op[0] == "follow":
             follow(s, views[op[1]])
+        else:
+            change(s, seqs, op)
     for view in views:
         follow(s, view)
         truth = dict(zip(map(key, range(10)), s.query([key(k) for k in range(10)])))
@@ -467,22 +473,9 @@ def test_a_snapshot_built_while_the_state_changes_at_any_step_then_caught_up_is_
 def test_followers_of_a_snapshot_built_among_changes_match_the_state(before, during, max_keys):
     s = DirectoryState(log_capacity=1 << 10)
     seqs = dict.fromkeys("abc", 0)
-
-    def run(op) -> None:
-        if op[0] == "publish":
-            _, r, stored, removed = op
-            seqs[r] += 1
-            s.publish(r, seqs[r], [(key(k), row, seqs[r]) for k, row in stored], [key(k) for k in removed])
-        elif op[0] == "register":
-            s.register(info(op[1], "node-1" if op[1] == "a" else "node-2"))
-        elif op[0] == "unregister":
-            s.unregister(op[1])
-        elif op[0] == "drop_node":
-            s.drop_node(op[1])
-
     for op in before:
-        run(op)
-    view = built(s, lambda step: run(during[step]) if step < len(during) else None, max_keys)
+        change(s, seqs, op)
+    view = built(s, lambda step: change(s, seqs, during[step]) if step < len(during) else None, max_keys)
     truth = ShardView()
     follow(s, truth)
     assert as_sets(view.holders) == as_sets(truth.holders) and view.replicas == truth.replicas
