@@ -45,7 +45,8 @@ and heartbeats from then on), then --seconds of load and a drain:
   gen late         how late the generators' 50 ms steps ran, p99 and max: far behind,
                    the load went out later than offered
   machine          cores busy (all processes), and the share of the CPU time the
-                   virtual machine's host took for others (steal)
+                   virtual machine's host took for others (steal); how long a shard's
+                   threads waited for a CPU per second (Linux's schedstat)
   model            the Directory's cores predicted by docs/scale.md's model from the
                    offered load, with the cost per stats call and with the cost per call
                    fitted to the points; the CPU per event at the model's rates
@@ -492,6 +493,23 @@ def cpu_seconds(process: psutil.Process) -> float:
     return times.user + times.system
 
 
+def cpu_wait_seconds(process: psutil.Process) -> float:
+    """Seconds the threads of `process` have waited on a run queue for a CPU (Linux's
+    schedstat), 0 where the system does not say."""
+    total = 0
+    try:
+        tasks = os.listdir(f"/proc/{process.pid}/task")
+    except OSError:
+        return 0.0
+    for task in tasks:
+        try:
+            with open(f"/proc/{process.pid}/task/{task}/schedstat") as f:
+                total += int(f.read().split()[1])
+        except (OSError, IndexError, ValueError):  # a thread that ended meanwhile
+            continue
+    return total / 1e9
+
+
 def call_cpu(shard, processes: list[psutil.Process], calls: int = 2000) -> float:
     """CPU seconds the shards' `processes` spend per call to `shard` that does almost
     nothing (stats): what Ray costs a shard for any call, 100 calls in flight at a time."""
@@ -872,11 +890,14 @@ def machine_field(times: list[float], name: str) -> float:
     return times[fields.index(name)] if name in fields else 0.0
 
 
-def shards_stats(handles: list) -> collections.Counter:
+def shards_stats(handles: list) -> tuple[collections.Counter, list[str]]:
+    """The shards' counts summed, and each shard's epoch (a restarted shard has a new one,
+    and its counts start again from 0)."""
     total = collections.Counter()
-    for stats in ray.get([h.stats.remote() for h in handles]):
-        total.update({k: v for k, v in stats.items() if isinstance(v, int)})
-    return total
+    stats = ray.get([h.stats.remote() for h in handles])
+    for shard in stats:
+        total.update({k: v for k, v in shard.items() if isinstance(v, int)})
+    return total, [shard["epoch"] for shard in stats]
 
 
 def generator_scale(
@@ -910,7 +931,8 @@ def generator_scale(
                     print(
                         f"  {num_replicas} replicas, {num_shards} shards, {path}: {r['directory_cores']:.3f} cores, "
                         f"{r['directory_cpu_us_per_event'] or float('nan'):.1f} us/event, query p99 {r['query_p99_ms']:.1f} ms, "
-                        f"lost {r['events_lost']}, load {r['load_average'][0]:.1f}",
+                        f"lost {r['events_lost']}, load {r['load_average'][0]:.1f}, registers {r['registers']} "
+                        f"(expired {r['expired_replicas']}, dropped {r['dropped_replicas']}, shard restarts {r['shard_restarts']})",
                         file=sys.stderr, flush=True,
                     )
     finally:
@@ -942,15 +964,17 @@ def generator_point(
         ]
         ray.get([p.fill.remote() for p in processes])
         load = os.getloadavg()
-        before = shards_stats(handles)
+        before, epochs_before = shards_stats(handles)
         cpu_before = [cpu_seconds(p) for p in shard_procs]
+        wait_before = sum(cpu_wait_seconds(p) for p in shard_procs)
         machine_before = psutil.cpu_times()
         started = time.monotonic()
         results = ray.get([p.run.remote(seconds, GENERATOR_TICK_S * i / count) for i, p in enumerate(processes)])
         wall = time.monotonic() - started
         machine = [after - before for after, before in zip(psutil.cpu_times(), machine_before)]
         cpu = [cpu_seconds(p) - c for p, c in zip(shard_procs, cpu_before)]
-        after = shards_stats(handles)
+        shard_wait = sum(cpu_wait_seconds(p) for p in shard_procs) - wait_before
+        after, epochs_after = shards_stats(handles)
     finally:
         for p in processes:
             ray.kill(p)
@@ -985,6 +1009,10 @@ def generator_point(
         # again with everything it holds: those keys count as applied events too
         "registers": delta.get("registers", 0),
         "unknown_publishes": delta.get("unknown_publishes", 0),
+        # why a shard dropped replicas: their heartbeats stopped, or Ray reported their node dead
+        "expired_replicas": delta.get("expired_replicas", 0),
+        "dropped_replicas": delta.get("dropped_replicas", 0),
+        "shard_restarts": sum(a != b for a, b in zip(epochs_before, epochs_after)),
         "events_per_s": events_applied / wall,
         "publishes": delta.get("publishes", 0) + delta.get("ignored_publishes", 0),
         "publish_calls": publish_calls,
@@ -1016,6 +1044,9 @@ def generator_point(
         # took for others (steal): the same load ran with slower queries under more steal
         "machine_busy_cores": (sum(machine) - machine_field(machine, "idle") - machine_field(machine, "steal")) / wall,
         "machine_steal_share": machine_field(machine, "steal") / sum(machine),
+        # how long a shard's threads waited for a CPU, per second of the load: a call to
+        # a shard waiting so is not answered, however little work it needs
+        "shard_cpu_wait_ms_per_s": shard_wait / num_shards / wall * 1e3,
     }
 
 
@@ -1242,7 +1273,7 @@ def print_generator(points: list[dict[str, Any]], rates: LoadRates, model: dict[
     print(
         f"{'replicas':>8} {'shards':>6} {'publish':>8} {'load':>5} {'offered ev':>11} {'applied':>9} {'lost':>5} {'calls/s':>8} {'Dir cores':>9} "
         f"{'idle':>6} {'busiest':>8} {'us/event':>9} {'@model e':>9} {'us/call':>8} {'us/stats':>9} {'calls/req':>9} "
-        f"{'q p50 ms':>9} {'q p99 ms':>9} {'hit':>5} {'model':>7} {'refit':>7} {'gen cores':>9} {'gen late ms':>11} {'busy':>5} {'steal':>5}"
+        f"{'q p50 ms':>9} {'q p99 ms':>9} {'hit':>5} {'model':>7} {'refit':>7} {'gen cores':>9} {'gen late ms':>11} {'busy':>5} {'steal':>5} {'wait':>5}"
     )
     for p, m in zip(points, model["points"]):
         print(
@@ -1254,7 +1285,7 @@ def print_generator(points: list[dict[str, Any]], rates: LoadRates, model: dict[
             f"{p['query_p50_ms']:>9.2f} {p['query_p99_ms']:>9.2f} {p['query_hit_rate'] or 0:>5.0%} {m['predicted_cores']:>7.3f} "
             f"{m['refit_cores'] or float('nan'):>7.3f} {p['generator_cores']:>9.3f} "
             f"{p['generator_step_late_p99_ms']:>5.0f}/{p['generator_step_late_max_ms']:<5.0f} "
-            f"{p['machine_busy_cores']:>5.2f} {p['machine_steal_share']:>5.0%}"
+            f"{p['machine_busy_cores']:>5.2f} {p['machine_steal_share']:>5.0%} {p.get('shard_cpu_wait_ms_per_s', float('nan')):>5.0f}"
         )
     if model["c_call_fitted"] is not None:
         print(
@@ -1263,7 +1294,7 @@ def print_generator(points: list[dict[str, Any]], rates: LoadRates, model: dict[
             f"'refit' with c_call = {model['c_call_fitted'] * 1e6:.0f} us fitted to these points; '@model e': us/event amortised "
             f"at the model's {MODEL_EVENTS_PER_S} events/s per replica (same publishes, refit c_call); 'gen late': p99/max of how "
             f"late the generators' {GENERATOR_TICK_S * 1e3:.0f} ms steps ran; 'busy': the machine's cores busy, 'steal': the share of its CPU "
-            "time its host gave others"
+            "time its host gave others; 'wait': ms per second a shard's threads waited for a CPU"
         )
 
 

@@ -5,9 +5,13 @@ from its inputs. Nothing here is timed."""
 
 import importlib.util
 import math
+import os
+import subprocess
 import sys
+import time
 from pathlib import Path
 
+import psutil
 import pytest
 from directory_fakes import FakeShard
 
@@ -176,3 +180,22 @@ def test_requests_start_with_the_load_not_with_the_fill():
     clock.now += 1.0
     generator.step(clock())
     assert generator.offered["requests"] == 2
+
+
+@pytest.mark.skipif(not Path("/proc/self/schedstat").exists(), reason="Linux's schedstat only")
+def test_cpu_wait_counts_the_time_a_process_waits_for_a_cpu_another_holds():
+    cpu = min(os.sched_getaffinity(0))
+    spin = "import time\nend = time.process_time() + 1.0\nwhile time.process_time() < end: pass\n"
+    # two processes that want the same one CPU all the time: each waits while the other runs
+    procs = [subprocess.Popen(["taskset", "-c", str(cpu), sys.executable, "-c", spin]) for _ in range(2)]
+    waited = {p.pid: 0.0 for p in procs}
+    try:
+        while any(p.poll() is None for p in procs):
+            for p in procs:
+                if p.poll() is None:  # not reaped yet: its /proc entry is there to read
+                    waited[p.pid] = max(waited[p.pid], scale.cpu_wait_seconds(psutil.Process(p.pid)))
+            time.sleep(0.05)
+    finally:
+        for p in procs:
+            p.wait()
+    assert max(waited.values()) > 0.3
