@@ -8,7 +8,8 @@ Shard state (no Ray). One DirectoryState is filled, 500-key publishes from 8 rep
 taking turns, to each size of --keys (36-byte keys, one holder each, rows and generations
 as a pool hands them out). Every publish goes through pack/unpack, as it crosses Ray, so
 the state holds its own copy of every object. At each size (rates per CPU second of this
-process's thread, so that other processes on the cores do not count):
+process's thread, so that other processes on the cores do not count, the fastest of 3
+passes):
   memory per key   growth of the process's RSS since before the first key, / keys
   publish          events/s of a shard's work for a publish call (unpack, apply), each
                    call removing a replica's 500 oldest keys and storing 500 new ones
@@ -118,6 +119,9 @@ CHUNK = 500  # keys stored (and removed) per publish call
 STATE_REPLICAS = 8
 QUERY_BATCH = 1000
 TIMED_CALLS = 400
+# A state cost is the fastest of this many timed passes: another process on a shared
+# machine (its caches, its memory bandwidth) only ever slows a pass down.
+STATE_PASSES = 3
 EXTRA_HOLDERS = 100_000
 VIEW_KEYS = 1_000_000
 ROWS = 1 << 20  # rows of each registered replica's pool
@@ -279,11 +283,13 @@ def state_scale(sizes: list[int], calls: int = TIMED_CALLS) -> dict[str, Any]:
                 "rss_bytes": memory,
                 "bytes_per_key": memory / bench.keys,
                 "fill_s": fill_s,
-                "publish_events_per_s": bench.publish_rate(calls),
-                "query_keys_per_s": bench.query_rate(calls),
+                "publish_events_per_s": max(bench.publish_rate(calls) for _ in range(STATE_PASSES)),
+                "query_keys_per_s": max(bench.query_rate(calls) for _ in range(STATE_PASSES)),
             }
         )
-        per_size[-1]["serve_keys_per_s"], per_size[-1]["wire_bytes_per_event"] = bench.serve_rate(calls)
+        serve = [bench.serve_rate(calls) for _ in range(STATE_PASSES)]
+        per_size[-1]["serve_keys_per_s"] = max(rate for rate, _ in serve)
+        per_size[-1]["wire_bytes_per_event"] = serve[-1][1]
     extra = bench.extra_holder_bytes(min(EXTRA_HOLDERS, bench.keys))
     del bench
     gc.collect()
