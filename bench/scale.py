@@ -618,15 +618,18 @@ class LoadGenerator:
         self._request_at: list[float] = []
 
     def fill(self, now: float) -> None:
-        """Every replica stores `held` keys (not counted as offered) and starts publishing."""
-        for r in range(len(self.replicas)):
-            self._store(r, self.rates.held, now)
+        """Every replica stores `held` keys (not counted as offered) and starts publishing,
+        one after another: those that did keep heartbeating meanwhile, as live replicas
+        do, however long the others of the process take to register."""
         self._started = now
         n = len(self.replicas)
-        self._flush_at = [now + self.rates.flush_s * r / n for r in range(n)]
-        for publishers in self.publishers:
-            for publisher in publishers:
-                self._step(publisher, now)
+        self._flush_at = [float("inf")] * n
+        for r in range(n):
+            self._store(r, self.rates.held, self.clock())
+            for publisher in self.publishers[r]:
+                self._step(publisher, self.clock())
+            self._flush_at[r] = now + self.rates.flush_s * r / n
+            self.step(self.clock(), offer=False)
 
     def start(self, now: float) -> None:
         """Start offering load from `now` (after `fill` and a drain)."""

@@ -15,6 +15,7 @@ import psutil
 import pytest
 from directory_fakes import FakeShard
 
+from distkv.directory_state import DirectoryState
 from distkv.relay import PublishRelay, RelayedShard
 
 
@@ -99,6 +100,36 @@ def run(request):
         answer_all(answering)
     drain(generator, answering, clock)
     return generator, shards, before, rates
+
+
+class SlowRegisters(FakeShard):
+    """A shard that answers every call at once, on the test's clock, and takes `register_s`
+    of it for a register: a fill among many processes on few cores."""
+
+    def __init__(self, clock, register_s: float) -> None:
+        super().__init__()
+        self.state = DirectoryState(clock=clock)
+        self.clock = clock
+        self.register_s = register_s
+
+    def _call(self, method: str, *args):
+        future = super()._call(method, *args)
+        if method == "register":
+            self.clock.now += self.register_s
+        self.answer()
+        return future
+
+
+def test_the_replicas_that_registered_heartbeat_while_the_others_of_the_process_register():
+    clock = Clock()
+    shards = [SlowRegisters(clock, register_s=0.5) for _ in range(2)]
+    rates = scale.LoadRates(events_per_s=100, requests_per_s=1.0, query_keys=20, flush_s=2.0, held=512)
+    generator = scale.LoadGenerator(NAMESPACE, "node0", list(range(32)), shards, rates, clock=clock)
+    started = clock()
+    generator.fill(started)
+    timeout_s = 10.0  # a shard's replica timeout (ray_actors.directory.REPLICA_TIMEOUT_S)
+    assert clock() - started > timeout_s  # 64 registers of 0.5 s
+    assert [shard.state.expire(clock(), timeout_s) for shard in shards] == [[], []]
 
 
 def test_every_event_offered_is_applied_once(run):
