@@ -366,9 +366,10 @@ class ClusterOffloadingManager(OffloadingManager):
         )
 
     def drain_observations(self) -> Observations:
-        """The promotion latencies and Directory event lags observed since the last call
-        (each goes to one caller: the metrics exporter). Safe to call from any thread."""
-        return Observations(_drain(self.promoter.latencies), _drain(self.link.event_lags))
+        """The promotion latencies, Directory event lags and query times observed since the
+        last call (each goes to one caller: the metrics exporter). Safe to call from any thread."""
+        link = self.link
+        return Observations(_drain(self.promoter.latencies), _drain(link.event_lags), _drain(link.query_times))
 
     # ---- promotion -------------------------------------------------------------------
 

@@ -504,6 +504,8 @@ class Querier:
     asked yet. Every call ends in `answered(keys, holders of each key, infos of the
     replicas named)`, or in `answered(keys, None, {})` when it failed or was not answered
     within QUERY_TIMEOUT_S: the link then answers its keys as misses, never waits for them.
+    `query_times` gets (index, seconds) per call answered, from its sending to its answer
+    handed on (a failed call is an error of kind directory_query instead).
 
     `step(now, ...)` does all the calling and returns when it next needs a step; `wake`
     runs when a call finishes. Not thread-safe: one thread (the link's) steps it.
@@ -518,6 +520,7 @@ class Querier:
         wake: Callable[[], None],
         errors: ErrorLog,
         answered: Callable[[list[OffloadKey], list | None, dict[str, ReplicaInfo], float], None],
+        query_times: collections.deque[tuple[int, float]],
     ) -> None:
         self.index = index
         self.client = client
@@ -525,10 +528,12 @@ class Querier:
         self._wake = wake
         self._errors = errors
         self._answered = answered
+        self._query_times = query_times
         self.waiting: list[OffloadKey] = []
         self.due_at = float("inf")  # when the keys waiting go at the latest
         self.asking: Future | None = None
         self.asked: list[OffloadKey] = []  # the keys of `asking`
+        self.sent_at = 0.0  # when `asking` was sent
         self.give_up_at = float("inf")
 
     def add(self, key: OffloadKey, now: float, delay_s: float) -> None:
@@ -568,6 +573,7 @@ class Querier:
             self._failed(e, now)
             return
         self.asking = future
+        self.sent_at = now
         self.give_up_at = now + QUERY_TIMEOUT_S
         wake = self._wake
         future.add_done_callback(lambda _: wake())
@@ -581,6 +587,7 @@ class Querier:
         asked, self.asked = self.asked, []
         self.give_up_at = float("inf")
         self._answered(asked, holders, infos, now)
+        self._query_times.append((self.index, now - self.sent_at))
 
     def _failed(self, error: Exception, now: float) -> None:
         self._errors.add("directory_query", f"shard {self.index}: {error}")
@@ -638,6 +645,8 @@ class DirectoryLink:
         self.errors = ErrorLog()
         # (shard, seconds) from a change coming in to the shard having applied it
         self.event_lags: collections.deque[tuple[int, float]] = collections.deque(maxlen=MAX_OBSERVATIONS)
+        # (shard, seconds) from a query call's sending to its answer in the view
+        self.query_times: collections.deque[tuple[int, float]] = collections.deque(maxlen=MAX_OBSERVATIONS)
         # the view of every shard, merged: one dict lookup answers `holders`
         self._holders: dict[OffloadKey, tuple[Holder, ...]] = {}
         self._views = [ShardView(info.replica_id, self._holders, self.num_shards > 1) for _ in range(self.num_shards)]
@@ -671,7 +680,10 @@ class DirectoryLink:
         self._steps_ended = 0
         self._steps_seen = 0
         self._queriers = [
-            Querier(i, client, namespace, wake=self._wake.set, errors=self.errors, answered=self._answered)
+            Querier(
+                i, client, namespace,
+                wake=self._wake.set, errors=self.errors, answered=self._answered, query_times=self.query_times,
+            )
             for i, client in enumerate(shards)
         ]
         if view == "query":

@@ -472,7 +472,6 @@ class DirectoryState:
         self._holders: dict[OffloadKey, tuple[HolderFields, ...]] = {}
         self._num_holders = 0
         self._ops = collections.Counter()
-        # packed answers of `changes` by where they start, valid while the log is at `_packed_at`
         # packed answers of `changes` by where they start (None: a snapshot), valid while the log is at `_packed_at`
         self._packed: dict[tuple[int, bool] | None, bytes] = {}
         self._packed_at: Cursor | None = None

@@ -106,6 +106,9 @@ METRICS: dict[str, MetricDef] = {
         MetricDef("distkv_directory_event_lag_seconds", HISTOGRAM,
                   "Time from a store or eviction reaching this replica's DirectoryLink to the shard having applied it",
                   REPLICA_TAGS + ("shard",), LAG_BUCKETS_S),
+        MetricDef("distkv_directory_query_seconds", HISTOGRAM,
+                  "Time from this replica's DirectoryLink sending a shard the keys it missed to the answer standing in its view",
+                  REPLICA_TAGS + ("shard",), LAG_BUCKETS_S),
         # a worker's transfer handlers
         MetricDef("distkv_transfer_bytes", COUNTER,
                   "Bytes copied by transfer jobs: store (GPU -> pool), load (pool -> GPU)",
@@ -358,6 +361,8 @@ class ReplicaSource:
             out.count("distkv_errors", {**base, "kind": kind}, n)
         for shard, seconds in observed.event_lags:
             out.observe("distkv_directory_event_lag_seconds", {**base, "shard": str(shard)}, seconds)
+        for shard, seconds in observed.query_times:
+            out.observe("distkv_directory_query_seconds", {**base, "shard": str(shard)}, seconds)
         return not manager.closed
 
 

@@ -128,3 +128,4 @@ class Observations(NamedTuple):
 
     promotion_latencies: list[tuple[str, float]]  # (path, seconds from submission to success)
     event_lags: list[tuple[int, float]]  # (Directory shard, seconds from a change to its publish)
+    query_times: list[tuple[int, float]]  # (Directory shard, seconds from a query call to its answer)

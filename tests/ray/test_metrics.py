@@ -183,8 +183,8 @@ def test_metrics_endpoint_serves_what_the_workload_did(replicas):
     assert served[series("ray_distkv_transfer_seconds_total", **ta, direction="store", rank="0")] > 0
 
     # every name on the endpoint is one METRICS defines, and the workload drove every metric
-    # but failed promotions and those of cross-node transports (its replicas share one node;
-    # tests/unit/test_exporter.py drives those)
+    # but failed promotions, those of cross-node transports (its replicas share one node) and
+    # query times (its replicas follow a pushed view): tests/unit/test_exporter.py drives those
     names = {name for name, _ in served}
     defined = {name for metric in METRICS.values() for name in metric.series}
     assert names <= defined
@@ -193,4 +193,5 @@ def test_metrics_endpoint_serves_what_the_workload_did(replicas):
         "ray_distkv_transport_bytes_total",
         "ray_distkv_transport_seconds_total",
         "ray_distkv_transport_rate_gbps",
+        *METRICS["distkv_directory_query_seconds"].series,
     }

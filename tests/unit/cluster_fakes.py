@@ -24,6 +24,7 @@ class FakeLink:
         self.info = info
         self.errors = ErrorLog()
         self.event_lags = collections.deque()
+        self.query_times = collections.deque()
         directory.infos[info.replica_id] = info
 
     def stored(self, entries):

@@ -164,6 +164,23 @@ def test_a_failed_query_answers_misses(shards):
     assert link.errors.counts()["directory_query"] == 1
 
 
+def test_each_answered_call_is_timed_from_its_sending_to_its_answer_and_a_failed_one_is_an_error(shards):
+    link = make_link(shards)
+    stepper = started(link)
+    a, b = next(k for k in map(key, range(100)) if shard_of(k, 2) == 0), next(k for k in map(key, range(100)) if shard_of(k, 2) == 1)
+    ask(link, a)
+    ask(link, b)
+    link.end_step()
+    stepper.step(0.0)  # both calls go out
+    shards[0].answer(("query",))
+    stepper.step(0.004)  # shard 0's answer lands 4 ms after its call went
+    shards[1].up = False
+    shards[1].answer(("query",))
+    stepper.step(0.003)
+    assert list(link.query_times) == [(0, pytest.approx(0.004))]
+    assert link.errors.counts()["directory_query"] == 1
+
+
 def test_a_query_never_answered_is_given_up_into_misses_and_the_next_goes_out(shards):
     link = make_link(shards)
     stepper = started(link)

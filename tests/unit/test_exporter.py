@@ -260,12 +260,15 @@ def test_replica_source_exports_the_stats(replicas):
     tokens = prompt(2)
     a.serve(tokens)
     b.serve(tokens)
+    b.manager.link.query_times.append((0, 0.012))  # as a queried link's answered call
     backend = Recorder()
     exporter = Exporter(backend)
     exporter.add(ReplicaSource(b.manager))
     exporter.export()
     stats = b.manager.stats()
     tags = ("ns0", b.spec.replica_id, "node-2")
+    assert backend.observed[("distkv_directory_query_seconds", *tags, "0")] == [0.012]
+    assert not b.manager.link.query_times  # each observation is exported once
     for outcome, n in asdict(stats.lookups).items():
         assert backend.counters.get(("distkv_lookups", *tags, outcome), 0) == n
     assert backend.counters[("distkv_promotions_succeeded", *tags, "cross_node")] == 8
