@@ -619,8 +619,8 @@ class LoadGenerator:
 
     def fill(self, now: float) -> None:
         """Every replica stores `held` keys (not counted as offered) and starts publishing,
-        one after another: those that did keep heartbeating meanwhile, as live replicas
-        do, however long the others of the process take to register."""
+        one after another; those registered heartbeat meanwhile, as live replicas do,
+        however long the others of the process take to register."""
         self._started = now
         n = len(self.replicas)
         self._flush_at = [float("inf")] * n
