@@ -13,6 +13,10 @@ passes):
   memory per key   growth of the process's RSS since before the first key, / keys
   publish          events/s of a shard's work for a publish call (unpack, apply), each
                    call removing a replica's 500 oldest keys and storing 500 new ones
+  worst ms         CPU time of the slowest of those calls: the longest another call to
+                   the shard waits behind one publish (a table of holders rebuilding)
+  1-dict ms        the baseline: the churn step of 500 keys in which one dict of all the
+                   shard's keys rebuilds its table, as the holders once were
   query            keys/s of a shard's work for a query call of 1,000 held keys
   serve            keys/s of a shard's work to send one follower one publish it has not
                    seen (slice the change log, pack), and the packed bytes per event
@@ -181,20 +185,25 @@ class StateBench:
             self.publish(chunk_payload(self.end, None), self.end % STATE_REPLICAS)
             self.end += 1
 
-    def publish_rate(self, calls: int) -> float:
-        """Events/s of publish calls that each store a chunk and remove the oldest one.
+    def publish_rate(self, calls: int) -> tuple[float, float]:
+        """(events/s, CPU seconds of the slowest call) of publish calls that each store a
+        chunk and remove the oldest one.
 
         Keeps the size: the new chunk belongs to the replica of the removed one as long as
         the number of chunks held is a multiple of STATE_REPLICAS."""
         payloads = [chunk_payload(self.end + i, self.first + i) for i in range(calls)]
         replicas = [(self.first + i) % STATE_REPLICAS for i in range(calls)]
-        start = time.thread_time()
+        clock = time.thread_time
+        worst = 0.0
+        start = clock()
         for payload, replica in zip(payloads, replicas):
+            called = clock()
             self.publish(payload, replica)
-        elapsed = time.thread_time() - start
+            worst = max(worst, clock() - called)
+        elapsed = clock() - start
         self.first += calls
         self.end += calls
-        return calls * 2 * CHUNK / elapsed
+        return calls * 2 * CHUNK / elapsed, worst
 
     def query_rate(self, calls: int) -> float:
         """Keys/s of query calls of QUERY_BATCH held keys each (the answer packed)."""
@@ -238,6 +247,25 @@ class StateBench:
         return (rss() - before) / keys
 
 
+def one_dict_rebuild_s(first: int, end: int) -> float:
+    """CPU seconds of the churn step (the oldest chunk removed, a new one stored) in which
+    one dict of the holders of keys [first, end) rebuilds its table: what a shard would stop
+    for if its holders were one dict, the baseline of the state's slowest publish."""
+    holders = {key(i): (("r0", "node0", i % ROWS, 1),) for i in range(first, end)}
+    table = sys.getsizeof(holders)
+    while True:
+        removed = [key(i) for i in range(first, first + CHUNK)]
+        stored = [(key(i), (("r0", "node0", i % ROWS, 1),)) for i in range(end, end + CHUNK)]
+        start = time.thread_time()
+        for gone, (new, holder) in zip(removed, stored):
+            del holders[gone]
+            holders[new] = holder
+        elapsed = time.thread_time() - start
+        first, end = first + CHUNK, end + CHUNK
+        if sys.getsizeof(holders) != table:
+            return elapsed
+
+
 def view_figures(keys: int) -> dict[str, float]:
     """A follower's ShardView of `keys` keys (one holder each): the bytes per key of all it
     holds on to (traced once the applied changes are gone), and keys/s applied."""
@@ -267,7 +295,9 @@ def view_figures(keys: int) -> dict[str, float]:
 
 
 def state_scale(sizes: list[int], calls: int = TIMED_CALLS) -> dict[str, Any]:
-    """The shard-state figures at each size (ascending), then the second-holder and view figures."""
+    """The shard-state figures at each size (ascending), then the second-holder and view
+    figures; with full garbage collections deferred, as a shard's process defers them."""
+    defer_full_collections()
     bench = StateBench()
     per_size = []
     for size in sizes:
@@ -277,13 +307,17 @@ def state_scale(sizes: list[int], calls: int = TIMED_CALLS) -> dict[str, Any]:
         bench.grow(size)
         fill_s = time.perf_counter() - started
         memory = rss() - bench.rss_empty
+        publishes = [bench.publish_rate(calls) for _ in range(STATE_PASSES)]
         per_size.append(
             {
                 "keys": bench.keys,
                 "rss_bytes": memory,
                 "bytes_per_key": memory / bench.keys,
                 "fill_s": fill_s,
-                "publish_events_per_s": max(bench.publish_rate(calls) for _ in range(STATE_PASSES)),
+                "publish_events_per_s": max(rate for rate, _ in publishes),
+                # the longest a call to the shard could wait behind one publish
+                "publish_worst_ms": max(worst for _, worst in publishes) * 1e3,
+                "one_dict_rebuild_ms": one_dict_rebuild_s(bench.first * CHUNK, bench.end * CHUNK) * 1e3,
                 "query_keys_per_s": max(bench.query_rate(calls) for _ in range(STATE_PASSES)),
             }
         )
@@ -1220,11 +1254,15 @@ def paths_arg(text: str) -> list[str]:
 
 
 def print_state(state: dict[str, Any]) -> None:
-    print(f"{'shard keys':>12} {'bytes/key':>10} {'publish events/s':>17} {'query keys/s':>13} {'serve keys/s':>13} {'wire B/event':>13} {'fill s':>7}")
+    print(
+        f"{'shard keys':>12} {'bytes/key':>10} {'publish events/s':>17} {'worst ms':>9} {'1-dict ms':>10} {'query keys/s':>13} "
+        f"{'serve keys/s':>13} {'wire B/event':>13} {'fill s':>7}"
+    )
     for s in state["sizes"]:
         print(
-            f"{s['keys']:>12,} {s['bytes_per_key']:>10.0f} {s['publish_events_per_s']:>17,.0f} {s['query_keys_per_s']:>13,.0f} "
-            f"{s['serve_keys_per_s']:>13,.0f} {s['wire_bytes_per_event']:>13.1f} {s['fill_s']:>7.1f}"
+            f"{s['keys']:>12,} {s['bytes_per_key']:>10.0f} {s['publish_events_per_s']:>17,.0f} {s['publish_worst_ms']:>9.1f} "
+            f"{s['one_dict_rebuild_ms']:>10.1f} {s['query_keys_per_s']:>13,.0f} {s['serve_keys_per_s']:>13,.0f} "
+            f"{s['wire_bytes_per_event']:>13.1f} {s['fill_s']:>7.1f}"
         )
     if state["marginal_bytes_per_key"] is not None:
         print(f"marginal bytes/key {state['sizes'][0]['keys']:,} -> {state['sizes'][-1]['keys']:,}: {state['marginal_bytes_per_key']:.0f}")

@@ -218,6 +218,10 @@ def _drop_holder(holders: dict[OffloadKey, tuple[HolderFields, ...]], key: Offlo
     current = holders.get(key)
     if current is None:
         return
+    if len(current) == 1:  # most keys have one holder: no tuple to build
+        if current[0][0] == replica_id:
+            del holders[key]
+        return
     rest = tuple(h for h in current if h[0] != replica_id)
     if rest:
         holders[key] = rest
@@ -367,6 +371,12 @@ MAX_ANSWER_KEYS = 1 << 14
 # A snapshot is collected and packed this many keys at a time (`SnapshotBuilder.step`), its
 # shard taking other calls in between.
 SNAPSHOT_STEP_KEYS = 1 << 11
+# A shard's holders are split over this many dicts by key hash. A dict grows, or sheds the
+# slots of removed keys, by rebuilding its whole table in one step, holding the GIL
+# throughout: one dict of millions of keys under churn would stop the shard from answering
+# for a good part of a second every few minutes. A partition rebuilds only its own share.
+HOLDER_PARTITIONS = 256
+_PARTITION_MASK = HOLDER_PARTITIONS - 1
 
 
 class _PackedEntries:
@@ -438,9 +448,12 @@ class SnapshotBuilder:
             taken = self._keys[-left:]
             del self._keys[-left:]
             left -= len(taken)
-            replica_id, holders = self._replica, state._holders
+            replica_id, parts = self._replica, state._holders
             stored = [
-                (key, holder[2], holder[3]) for key in taken for holder in holders.get(key, ()) if holder[0] == replica_id
+                (key, holder[2], holder[3])
+                for key in taken
+                for holder in parts[hash(key) & _PARTITION_MASK].get(key, ())
+                if holder[0] == replica_id
             ]
             self._chunks.append((replica_id, pack([(replica_id, replica.info.node_id, stored, [])])))
         return False
@@ -469,7 +482,8 @@ class DirectoryState:
         self.epoch = self._log.epoch
         self._clock = clock
         self._replicas: dict[str, _Replica] = {}
-        self._holders: dict[OffloadKey, tuple[HolderFields, ...]] = {}
+        # HOLDER_PARTITIONS dicts; a key's is self._holders[hash(key) & _PARTITION_MASK]
+        self._holders: list[dict[OffloadKey, tuple[HolderFields, ...]]] = [{} for _ in range(HOLDER_PARTITIONS)]
         self._num_holders = 0
         self._ops = collections.Counter()
         # packed answers of `changes` by where they start (None: a snapshot), valid while the log is at `_packed_at`
@@ -526,17 +540,18 @@ class DirectoryState:
         self._ops["publishes"] += 1
         if not stored and not removed:
             return True
-        holders = self._holders
+        parts = self._holders
         keys = replica.keys
         for key in removed:
             if key in keys:
                 keys.remove(key)
-                _drop_holder(holders, key, replica_id)
+                _drop_holder(parts[hash(key) & _PARTITION_MASK], key, replica_id)
                 self._num_holders -= 1
         node_id = replica.info.node_id
         added = 0
         for key, row, generation in stored:
             holder = (replica_id, node_id, row, generation)
+            holders = parts[hash(key) & _PARTITION_MASK]
             current = holders.get(key)
             if current is None:
                 holders[key] = (holder,)
@@ -613,8 +628,8 @@ class DirectoryState:
         check_keys(keys)
         self._ops["queries"] += 1
         self._ops["queried_keys"] += len(keys)
-        get = self._holders.get
-        return [get(key, ()) for key in keys]
+        parts = self._holders
+        return [parts[hash(key) & _PARTITION_MASK].get(key, ()) for key in keys]
 
     def answer(self, keys: Sequence[OffloadKey]) -> tuple[list[tuple[HolderFields, ...]], dict[str, ReplicaInfo]]:
         """What a queried link asks: `query`'s holders of each key, and the ReplicaInfo of
@@ -742,7 +757,7 @@ class DirectoryState:
     def stats(self) -> dict[str, int]:
         """Sizes (keys, holders, replicas, log entries) and operation counts."""
         return {
-            "keys": len(self._holders),
+            "keys": sum(map(len, self._holders)),
             "holders": self._num_holders,
             "replicas": len(self._replicas),
             "log_entries": len(self._log),
@@ -754,9 +769,9 @@ class DirectoryState:
 
     def _drop(self, replica: _Replica) -> None:
         replica_id = replica.info.replica_id
-        holders = self._holders
+        parts = self._holders
         for key in replica.keys:
-            _drop_holder(holders, key, replica_id)
+            _drop_holder(parts[hash(key) & _PARTITION_MASK], key, replica_id)
         self._num_holders -= len(replica.keys)
         keys = list(replica.keys)
         for i in range(0, len(keys), MAX_ANSWER_KEYS):  # entries that fit in an answer

@@ -111,6 +111,22 @@ def test_unregister_drops_holders(state):
     assert state.stats()["replicas"] == 1
 
 
+def test_no_table_of_a_shard_holds_more_than_a_small_share_of_its_keys(clock):
+    """A dict rebuilds its whole table at once as it grows or sheds removed keys, and the
+    shard answers no call meanwhile: the holders are split so that each rebuild is small."""
+    s = DirectoryState(clock=clock)
+    n = 1 << 16
+    s.register(info("a", num_rows=2 * n))
+    s.publish("a", 1, [(key(i), i, 1) for i in range(n)], [])
+    s.publish("a", 2, [(key(i), i, 1) for i in range(n, n + n // 2)], [key(i) for i in range(n // 2)])
+    sizes = [len(table) for table in s._holders]
+    assert sum(sizes) == s.stats()["keys"] == n
+    assert max(sizes) <= 2 * n / directory_state.HOLDER_PARTITIONS
+    found = s.query([key(i) for i in range(n + n // 2)])
+    assert found[: n // 2] == [()] * (n // 2)
+    assert all(holders == (Holder("a", "node-1", i, 1),) for i, holders in enumerate(found) if i >= n // 2)
+
+
 def test_register_again_starts_over(state):
     state.publish("a", 7, [(key(1), 3, 30)], [])
     state.register(info("a", "node-3"))
