@@ -12,7 +12,6 @@ shards as the `ShardClient`s it calls.
 from __future__ import annotations
 
 import asyncio
-import gc
 import logging
 import threading
 import time
@@ -31,9 +30,11 @@ from distkv.directory_state import (
     Lateness,
     Relayed,
     ReplicaInfo,
+    ShardCollections,
     SnapshotBuilder,
     check_namespace,
     check_stored,
+    defer_full_collections,
     pack,
     unpack,
 )
@@ -49,18 +50,6 @@ REPLICA_TIMEOUT_S = 10.0
 # event loop, and at most this many at once (one per replica of the namespace).
 FOLLOWERS_GROUP = "followers"
 MAX_FOLLOWERS = 4096
-# A shard's state is a few large long-lived containers, which a full garbage collection
-# traverses whole while no call is answered (docs/benchmarks.md); what the shard frees is
-# acyclic, freed by reference counting. So the shard makes no full collection but one
-# every FULL_COLLECTION_S, from its watcher: young collections still run as usual.
-FULL_COLLECTION_S = 600.0
-
-
-def defer_full_collections() -> None:
-    """Make this process's full garbage collections only those it asks for (`gc.collect()`)."""
-    young, middle, _ = gc.get_threshold()
-    gc.set_threshold(young, middle, 1 << 30)
-
 
 @ray.remote(concurrency_groups={FOLLOWERS_GROUP: MAX_FOLLOWERS})
 class DirectoryShard:
@@ -90,6 +79,7 @@ class DirectoryShard:
         # Ray runs an async actor's __init__ on its event loop.
         self._loop = asyncio.get_running_loop()
         defer_full_collections()
+        self._collections = ShardCollections(time.monotonic())
         self._watcher = self._loop.create_task(self._watch())
 
     async def register(self, info: ReplicaInfo, seq: int, stored: bytes, namespace: str) -> tuple[str, bool, float]:
@@ -108,7 +98,7 @@ class DirectoryShard:
             before = self._state.cursor()
             self._state.register(info)
             self._state.publish(info.replica_id, seq, stored, ())
-        self._notify(before)
+        self._after_change(before)
         return self._state.epoch, True, self._state.publish_interval()
 
     async def publish(
@@ -126,7 +116,7 @@ class DirectoryShard:
             known = self._state.publish(replica_id, seq, stored, removed)
             if known and report is not None:
                 self._state.set_report(replica_id, report)
-        self._notify(before)
+        self._after_change(before)
         return self._state.epoch, known, self._state.publish_interval()
 
     async def publish_many(self, items: list[Relayed], namespace: str) -> tuple[str, list[bool | str], float]:
@@ -141,7 +131,7 @@ class DirectoryShard:
             with self._lock:
                 before = self._state.cursor()
                 results += self._state.publish_relayed([item], continued=i > 0)
-            self._notify(before)
+            self._after_change(before)
             # A node's call carries many replicas' changes: calls that came meanwhile (a
             # query is waited on by a request) run between two replicas' publishes, not after all.
             await asyncio.sleep(0)
@@ -152,7 +142,7 @@ class DirectoryShard:
         with self._lock:
             before = self._state.cursor()
             known = self._state.unregister(replica_id)
-        self._notify(before)
+        self._after_change(before)
         return known
 
     async def query(self, keys: Sequence[OffloadKey], namespace: str) -> bytes:
@@ -224,8 +214,10 @@ class DirectoryShard:
     def _check(self, namespace: str) -> None:
         check_namespace(self._namespace, namespace, f"directory shard {shard_name(self._namespace, self._shard)}")
 
-    def _notify(self, before: Cursor) -> None:
-        """Wake the followers' polls if the state changed since it was at `before`."""
+    def _after_change(self, before: Cursor) -> None:
+        """After a call that may have changed the state since it was at `before`: make the
+        young collection due, if any, and wake the followers' polls if it did change."""
+        self._collections.stored(self._state.stored_keys)
         loop = self._followers_loop
         if loop is not None and self._state.cursor() != before:
             loop.call_soon_threadsafe(self._wake_followers)
@@ -239,14 +231,11 @@ class DirectoryShard:
         """Drop replicas on nodes Ray reports dead, and replicas that stopped heartbeating
         (silent past their timeout and past how late this shard has been running)."""
         loop = asyncio.get_running_loop()
-        collect_at = time.monotonic() + FULL_COLLECTION_S
         while True:
             due = time.monotonic() + NODE_POLL_S
             await asyncio.sleep(NODE_POLL_S)
             self._lateness.woke(due, time.monotonic())
-            if time.monotonic() >= collect_at:
-                gc.collect()
-                collect_at = time.monotonic() + FULL_COLLECTION_S
+            self._collections.step(time.monotonic())
             try:
                 nodes = await loop.run_in_executor(None, ray.nodes)
             except Exception as e:
@@ -260,7 +249,7 @@ class DirectoryShard:
                 # a heartbeat may have waited in the queue as long as this wake-up ran late
                 self._state.expire(time.monotonic(), self._replica_timeout_s + self._lateness.worst())
                 self._state.drop_stale_snapshot()
-            self._notify(before)
+            self._after_change(before)
 
 
 async def _run_on(loop: asyncio.AbstractEventLoop, fn, *args):

@@ -1,3 +1,4 @@
+import gc
 import hashlib
 import pickle
 
@@ -125,6 +126,28 @@ def test_no_table_of_a_shard_holds_more_than_a_small_share_of_its_keys(clock):
     found = s.query([key(i) for i in range(n + n // 2)])
     assert found[: n // 2] == [()] * (n // 2)
     assert all(holders == (Holder("a", "node-1", i, 1),) for i, holders in enumerate(found) if i >= n // 2)
+
+
+def test_a_churning_shard_s_young_objects_are_collected_every_few_thousand_keys(clock):
+    """Under churn a shard frees about as many objects as it makes, so Python's threshold
+    never starts a young collection and new objects pile up until one visits them all at
+    once; the shard's schedule collects them every few thousand stored keys instead."""
+    s = DirectoryState(log_capacity=2_000, clock=clock)  # a log that drops as much as it takes
+    n = 40_000  # a key is removed 80 publishes after it was stored
+    s.register(info("a", num_rows=1 << 20))
+    s.publish("a", 1, [(key(i), i, 1) for i in range(n)], [])
+    collections = directory_state.ShardCollections(clock.now, young_every_keys=5_000)
+    gc.collect()
+    young = []
+    for seq in range(2, 102):
+        gone = (seq - 2) * 500
+        stored = [(key(n + gone + i), n + gone + i, 1) for i in range(500)]
+        s.publish("a", seq, stored, [key(gone + i) for i in range(500)])
+        collections.stored(s.stored_keys)
+        young.append(len(gc.get_objects(0)) + len(gc.get_objects(1)))
+    # a publish leaves 1,000 new objects: the young generations hold about 10 publishes'
+    # worth (without the collections, 80 publishes': 80k)
+    assert max(young) < 20_000
 
 
 def test_register_again_starts_over(state):
