@@ -270,7 +270,8 @@ class Lateness:
 # traverses whole while no call is answered (docs/benchmarks.md); what the shard frees is
 # acyclic, freed by reference counting. So a shard makes a full collection only every
 # FULL_COLLECTION_S, and collects its young generations every YOUNG_COLLECTION_KEYS keys
-# it stores (each such collection visits about 3 objects per key).
+# it stores (each such collection visits a few objects per key: its holder, the tuple of
+# its holders, its entry in the log).
 FULL_COLLECTION_S = 600.0
 YOUNG_COLLECTION_KEYS = 8192
 
@@ -289,9 +290,8 @@ class ShardCollections:
     threshold. A shard under churn frees about as many objects as it makes (each removed
     key's holder for each stored key's), so that never happens while the new objects pile
     up in the young generation, until some burst starts a collection that visits them all
-    at once (600k objects, 246 ms, in a shard of 256 replicas). Collecting the young
-    generations every `young_every_keys` stored keys keeps each visit to that many keys'
-    objects.
+    at once (docs/benchmarks.md). Collecting the young generations every
+    `young_every_keys` stored keys keeps each visit to that many keys' objects.
     """
 
     def __init__(
@@ -423,8 +423,8 @@ MAX_ANSWER_KEYS = 1 << 14
 SNAPSHOT_STEP_KEYS = 1 << 11
 # A shard's holders are split over this many dicts by key hash. A dict grows, or sheds the
 # slots of removed keys, by rebuilding its whole table in one step, holding the GIL
-# throughout: one dict of millions of keys under churn would stop the shard from answering
-# for a good part of a second every few minutes. A partition rebuilds only its own share.
+# throughout: one dict of millions of keys would stop the shard from answering for a good
+# part of a second at each rebuild (docs/benchmarks.md). A partition rebuilds only its share.
 HOLDER_PARTITIONS = 256
 _PARTITION_MASK = HOLDER_PARTITIONS - 1
 
