@@ -141,8 +141,14 @@ PAGE_BYTES = 4 << 10
 
 
 def key(i: int) -> bytes:
-    """The i-th key: a hash-like 8 leading bytes (as a block hash has), 36 bytes in all."""
-    return ((i * _MIX) & 0xFFFF_FFFF_FFFF_FFFF).to_bytes(8, "big") + _TAIL
+    """The i-th key: a hash-like 8 leading bytes (as a block hash has), 36 bytes in all.
+
+    The product's `shard_of` takes the leading bytes modulo the shard count, so their low
+    bits must depend on all of i, as a hash's do: a product with an odd constant alone
+    keeps i's parity there, and the even-numbered keys that begin prefixes of an even
+    length would all fall on the even-numbered shards."""
+    mixed = (i * _MIX) & 0xFFFF_FFFF_FFFF_FFFF
+    return (mixed ^ (mixed >> 32)).to_bytes(8, "big") + _TAIL
 
 
 def chunk_payload(chunk: int, removed_chunk: int | None) -> bytes:

@@ -177,6 +177,22 @@ def test_a_request_is_one_query_call_to_the_shard_of_its_prefix_and_hits(run):
     assert set(generator.calls_of) == {1}
 
 
+@pytest.mark.parametrize("num_shards", [4, 16])
+def test_the_replicas_prefixes_spread_over_every_shard(num_shards):
+    """As a fleet's do, whose keys are hashes: a shard that no prefix lands on leaves its share
+    of the load to the others."""
+    clock = Clock()
+    shards = [FakeShard() for _ in range(num_shards)]
+    rates = scale.LoadRates(events_per_s=100, requests_per_s=0.2, query_keys=scale.MODEL_QUERY_KEYS, flush_s=2.0, held=2048)
+    generator = scale.LoadGenerator(NAMESPACE, "node0", list(range(8)), shards, rates, clock=clock)
+    generator.fill(clock())
+    drain(generator, shards, clock)
+    keys = [s.state.stats()["keys"] for s in shards]
+    share = sum(keys) / num_shards
+    assert sum(keys) == 8 * rates.held
+    assert all(0.6 * share <= k <= 1.4 * share for k in keys), keys
+
+
 def test_the_model_gives_the_documented_fleet_from_the_documented_inputs():
     inputs = scale.ModelInputs(c_call=265e-6, c_pub=1.95e-6, c_query=2.58e-6, m_key=349, m_holder=220, source="docs/scale.md")
     fleet = scale.fleet_model(inputs)
