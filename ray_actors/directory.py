@@ -51,7 +51,11 @@ REPLICA_TIMEOUT_S = 10.0
 FOLLOWERS_GROUP = "followers"
 MAX_FOLLOWERS = 4096
 
-@ray.remote(concurrency_groups={FOLLOWERS_GROUP: MAX_FOLLOWERS})
+# Ray keeps the events of every task it runs in its GCS (of the last 100,000 by default) for
+# the dashboard's task list: a fleet's publishes, polls and queries, thousands a second, would
+# keep the GCS busy storing theirs, grow its memory, and push the user's own tasks out of the
+# list. Ray Serve leaves its actors' calls out in the same way.
+@ray.remote(concurrency_groups={FOLLOWERS_GROUP: MAX_FOLLOWERS}, enable_task_events=False)
 class DirectoryShard:
     """One shard of the Directory. Every method returns promptly except `changes`.
 

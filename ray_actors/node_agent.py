@@ -32,7 +32,9 @@ MAX_CALLS = 1 << 14
 RELAY_IDLE_S = 60.0
 
 
-@ray.remote(num_cpus=0, max_concurrency=MAX_CALLS)
+# Out of Ray's task events, as the Directory's shards are (ray_actors/directory.py): each
+# replica's relayed publishes and each block read is a call.
+@ray.remote(num_cpus=0, max_concurrency=MAX_CALLS, enable_task_events=False)
 class NodeAgent:
     """The node's side of distkv's traffic with other nodes.
 

@@ -158,6 +158,36 @@ def test_dashboard_lists_the_directory_and_node_agent(ray_with_dashboard, replic
     assert screenshot.stat().st_size > 10_000
 
 
+@ray.remote(num_cpus=0)
+class Bystander:
+    """A user's actor: its calls are in Ray's task list."""
+
+    def ping(self) -> int:
+        return 1
+
+
+def test_the_directory_s_and_node_agent_s_calls_stay_out_of_ray_s_task_list(ray_with_dashboard, replica):
+    """A fleet's publishes, polls and queries are thousands a second: kept among Ray's task
+    events, they would push a user's own tasks out of the dashboard's list."""
+    from ray.util.state import list_tasks
+
+    from distkv.names import RAY_NAMESPACE
+
+    shard = get_or_create_shards(replica.spec.namespace, 1)[0]
+    agent = ray.get_actor(agent_name(ray.get_runtime_context().get_node_id()), namespace=RAY_NAMESPACE)
+    ray.get([shard.stats.remote(), shard.query.remote([], replica.spec.namespace), agent.node_id.remote()])
+    bystander = Bystander.remote()
+    ray.get(bystander.ping.remote())
+    # This process reports the events of the tasks it submits in order: once the bystander's
+    # call is listed, the calls submitted before it would be too.
+    deadline = time.monotonic() + 60
+    while not list_tasks(filters=[("name", "=", "Bystander.ping")]):
+        assert time.monotonic() < deadline, "Ray never listed the bystander's call"
+        time.sleep(0.25)
+    names = {task.name for task in list_tasks(limit=10_000)}
+    assert not {name for name in names if name.startswith(("DirectoryShard.", "NodeAgent.")) and "__init__" not in name}
+
+
 def test_service_discovery_file_lists_this_node(ray_with_dashboard):
     """What cluster/prometheus/prometheus.yml reads: the session's file names this node's endpoint."""
     from ray._private.ray_constants import PROMETHEUS_SERVICE_DISCOVERY_FILE
