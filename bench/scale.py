@@ -41,6 +41,7 @@ requests of 90 keys, and the output says so beside the model's. Each point: the 
 CPU per stats call and idle CPU for 2 s, fill (every replica registers 2,048 held keys
 and heartbeats from then on), then --seconds of load and a drain:
   events           offered by the generators, applied by the shards (their stats), lost
+                   ("?" where replicas registered again: their keys count as applied too)
   Directory CPU    cores of all shard processes (psutil), of the busiest, idle; per
                    applied event, per call (every register, publish and query)
   query            wall time from a request's first call to its last answer, p50 and
@@ -988,7 +989,7 @@ def generator_scale(
                     print(
                         f"  {num_replicas} replicas, {num_shards} shards, {path}: {r['directory_cores']:.3f} cores, "
                         f"{r['directory_cpu_us_per_event'] or float('nan'):.1f} us/event, query p99 {r['query_p99_ms']:.1f} ms, "
-                        f"lost {r['events_lost']}, load {r['load_average'][0]:.1f}, registers {r['registers']} "
+                        f"lost {lost_text(r)}, load {r['load_average'][0]:.1f}, registers {r['registers']} "
                         f"(expired {r['expired_replicas']}, dropped {r['dropped_replicas']}, shard restarts {r['shard_restarts']})",
                         file=sys.stderr, flush=True,
                     )
@@ -1061,9 +1062,10 @@ def generator_point(
         "offered_requests_per_replica_s": rates.requests_per_s,
         "events_offered": events_offered,
         "events_applied": events_applied,
-        "events_lost": events_offered - events_applied,
         # a shard that expired a replica (its heartbeats queued too long) makes it register
-        # again with everything it holds: those keys count as applied events too
+        # again with everything it holds: those keys count as applied events too, and what
+        # was lost cannot be told from the counts (None)
+        "events_lost": events_offered - events_applied if not delta.get("registers") else None,
         "registers": delta.get("registers", 0),
         "unknown_publishes": delta.get("unknown_publishes", 0),
         # why a shard dropped replicas: their heartbeats stopped, or Ray reported their node dead
@@ -1324,6 +1326,10 @@ def generator_model(points: list[dict[str, Any]], state: dict[str, Any]) -> dict
     return {"c_pub": c_pub, "c_query": c_query, "c_call_fitted": fitted, "at_state_keys": smallest["keys"], "points": rows}
 
 
+def lost_text(point: dict[str, Any]) -> str:
+    return "?" if point["events_lost"] is None else str(point["events_lost"])
+
+
 def print_generator(points: list[dict[str, Any]], rates: LoadRates, model: dict[str, Any]) -> None:
     print(
         f"lightweight replicas: offered per replica {rates.events_per_s:g} events/s and {rates.requests_per_s:g} requests/s "
@@ -1339,7 +1345,7 @@ def print_generator(points: list[dict[str, Any]], rates: LoadRates, model: dict[
     for p, m in zip(points, model["points"]):
         print(
             f"{p['replicas']:>8} {p['shards']:>6} {p.get('publish_path', 'direct'):>8} {p['load_average'][0]:>5.1f} {p['events_offered']:>11,} {p['events_applied']:>9,} "
-            f"{p['events_lost']:>5} {p['calls_per_s']:>8,.0f} {p['directory_cores']:>9.3f} {p['directory_idle_cores']:>6.3f} "
+            f"{lost_text(p):>5} {p['calls_per_s']:>8,.0f} {p['directory_cores']:>9.3f} {p['directory_idle_cores']:>6.3f} "
             f"{p['busiest_shard_cores']:>8.3f} {p['directory_cpu_us_per_event'] or float('nan'):>9.1f} "
             f"{m['us_per_event_at_model_rates'] or float('nan'):>9.1f} {p['directory_cpu_us_per_call'] or float('nan'):>8.0f} "
             f"{p['directory_cpu_us_per_stats_call']:>9.0f} {p['query_calls_per_request'] or float('nan'):>9.1f} "
