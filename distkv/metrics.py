@@ -14,6 +14,7 @@ by tests/unit/test_metric_docs.py.
 
 from __future__ import annotations
 
+import collections
 import logging
 import sys
 import threading
@@ -36,6 +37,8 @@ PATHS = ("same_node", "cross_node")
 
 LATENCY_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 LAG_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+# a shard's own time for a call: tenths of a millisecond for a query, more for large publishes
+CALL_BUCKETS_S = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
 
 
 @dataclass(frozen=True)
@@ -122,6 +125,9 @@ METRICS: dict[str, MetricDef] = {
         MetricDef("distkv_directory_keys", GAUGE, "Keys held by at least one replica, per shard", SHARD_TAGS),
         MetricDef("distkv_directory_holders", GAUGE, "(key, replica) holder entries, per shard", SHARD_TAGS),
         MetricDef("distkv_directory_replicas", GAUGE, "Replicas registered with the shard", SHARD_TAGS),
+        MetricDef("distkv_directory_call_seconds", HISTOGRAM,
+                  "Time this shard took for each call, by call: register, publish, publish_many, unregister, query",
+                  SHARD_TAGS + ("call",), CALL_BUCKETS_S),
         MetricDef("distkv_directory_operations", COUNTER,
                   "Shard operations by op: registers, unregisters, publishes, ignored_publishes, unknown_publishes, "
                   "stored, removed (keys), queries, queried_keys, snapshots, dropped_replicas, expired_replicas, "
@@ -394,15 +400,21 @@ class HandlerSource:
 
 
 class DirectorySource:
-    """One Directory shard: its sizes and operation counts."""
+    """One Directory shard: its sizes and operation counts, and the time of each call it
+    took, which its actor appends to `call_times` as (call, seconds)."""
 
     def __init__(self, state: Any, namespace: str, shard: int, node: str) -> None:
         self._state = state
         self._tags = {"namespace": namespace, "shard": str(shard), "node": node}
+        self.call_times: collections.deque[tuple[str, float]] = collections.deque(maxlen=MAX_OBSERVATIONS)
 
     def collect(self, out: Collector) -> bool:
         stats = self._state.stats()
         tags = self._tags
+        calls = self.call_times
+        for _ in range(len(calls)):  # those appended meanwhile go with the next export
+            call, seconds = calls.popleft()
+            out.observe("distkv_directory_call_seconds", {**tags, "call": call}, seconds)
         out.gauge("distkv_directory_keys", tags, stats["keys"])
         out.gauge("distkv_directory_holders", tags, stats["holders"])
         out.gauge("distkv_directory_replicas", tags, stats["replicas"])

@@ -73,7 +73,8 @@ class DirectoryShard:
         self._lateness = Lateness(replica_timeout_s)
         self._namespace = namespace
         self._shard = shard
-        metrics.register(metrics.DirectorySource(self._state, namespace, shard, metrics.this_node()))
+        self._metrics = metrics.DirectorySource(self._state, namespace, shard, metrics.this_node())
+        metrics.register(self._metrics)
         self._lock = threading.Lock()
         # set on the followers' loop by the first `changes`; every change sets `_changed`
         # there (and replaces it), which wakes the polls waiting on it
@@ -93,6 +94,7 @@ class DirectoryShard:
         Every call that changes or reads holders refuses another cache `namespace` (ValueError),
         and `register` a replica whose pool is not a segment of this shard's namespace.
         """
+        started = time.perf_counter()
         self._check(namespace)
         stored = unpack(stored)
         if isinstance(info, ReplicaInfo):  # else register says what is wrong
@@ -103,6 +105,7 @@ class DirectoryShard:
             self._state.register(info)
             self._state.publish(info.replica_id, seq, stored, ())
         self._after_change(before)
+        self._took("register", started)
         return self._state.epoch, True, self._state.publish_interval()
 
     async def publish(
@@ -113,6 +116,7 @@ class DirectoryShard:
 
         See `DirectoryState.publish`. `report`: the replica's latest stats, if sent along.
         """
+        started = time.perf_counter()
         self._check(namespace)
         stored, removed = unpack(changes)
         with self._lock:
@@ -121,6 +125,7 @@ class DirectoryShard:
             if known and report is not None:
                 self._state.set_report(replica_id, report)
         self._after_change(before)
+        self._took("publish", started)
         return self._state.epoch, known, self._state.publish_interval()
 
     async def publish_many(self, items: list[Relayed], namespace: str) -> tuple[str, list[bool | str], float]:
@@ -131,29 +136,38 @@ class DirectoryShard:
         if not isinstance(items, list):
             raise ValueError(f"publish_many: items {type(items).__name__} is not a list")
         results: list[bool | str] = []
+        took = 0.0  # the time of the call's own steps, not of the calls run between them
         for i, item in enumerate(items):
+            started = time.perf_counter()
             with self._lock:
                 before = self._state.cursor()
                 results += self._state.publish_relayed([item], continued=i > 0)
             self._after_change(before)
+            took += time.perf_counter() - started
             # A node's call carries many replicas' changes: calls that came meanwhile (a
             # query is waited on by a request) run between two replicas' publishes, not after all.
             await asyncio.sleep(0)
+        self._metrics.call_times.append(("publish_many", took))
         return self._state.epoch, results, self._state.publish_interval()
 
     async def unregister(self, replica_id: str, namespace: str) -> bool:
+        started = time.perf_counter()
         self._check(namespace)
         with self._lock:
             before = self._state.cursor()
             known = self._state.unregister(replica_id)
         self._after_change(before)
+        self._took("unregister", started)
         return known
 
     async def query(self, keys: Sequence[OffloadKey], namespace: str) -> bytes:
         """The packed (holders of each key, ReplicaInfo of each replica they name); see
         `DirectoryState.answer`."""
+        started = time.perf_counter()
         self._check(namespace)
-        return pack(self._state.answer(keys))
+        answer = pack(self._state.answer(keys))
+        self._took("query", started)
+        return answer
 
     @ray.method(concurrency_group=FOLLOWERS_GROUP)
     async def changes(self, cursor: Cursor | None, timeout_s: float, namespace: str, follower: str | None = None) -> bytes:
@@ -217,6 +231,11 @@ class DirectoryShard:
 
     def _check(self, namespace: str) -> None:
         check_namespace(self._namespace, namespace, f"directory shard {shard_name(self._namespace, self._shard)}")
+
+    def _took(self, call: str, started: float) -> None:
+        """Observe the time of a call that began at `started` (`time.perf_counter()`) and
+        returns now: the shard's own part of what its caller waits for."""
+        self._metrics.call_times.append((call, time.perf_counter() - started))
 
     def _after_change(self, before: Cursor) -> None:
         """After a call that may have changed the state since it was at `before`: make the

@@ -165,6 +165,7 @@ def test_metrics_endpoint_serves_what_the_workload_did(replicas):
         series("ray_distkv_directory_holders", **shard): 80,
         series("ray_distkv_directory_replicas", **shard): 2,
         series("ray_distkv_directory_operations_total", **shard, op="registers"): 2,
+        series("ray_distkv_directory_call_seconds_count", **shard, call="register"): 2,
         series("ray_distkv_directory_operations_total", **shard, op="stored"): 96,
         series("ray_distkv_directory_operations_total", **shard, op="removed"): 16,
         series("ray_distkv_node_agent_reads_total", node=node): 2,

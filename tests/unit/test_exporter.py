@@ -378,3 +378,17 @@ def test_directory_keeps_reports_and_exports_its_sizes():
     assert backend.gauges[("distkv_directory_replicas", "ns", "0", "n1")] == 1
     assert backend.counters[("distkv_directory_operations", "ns", "0", "n1", "registers")] == 1
     assert backend.counters[("distkv_directory_operations", "ns", "0", "n1", "stored")] == 1
+
+
+def test_a_shard_s_call_times_are_observed_once_each_by_call():
+    source = DirectorySource(DirectoryState(), "ns", 0, "n1")
+    source.call_times.extend([("query", 0.0003), ("publish", 0.002), ("query", 0.0004)])
+    backend = Recorder()
+    exporter = Exporter(backend)
+    exporter.add(source)
+    exporter.export()
+    assert backend.observed[("distkv_directory_call_seconds", "ns", "0", "n1", "query")] == [0.0003, 0.0004]
+    assert backend.observed[("distkv_directory_call_seconds", "ns", "0", "n1", "publish")] == [0.002]
+    source.call_times.append(("query", 0.0005))
+    exporter.export()  # only what came since
+    assert backend.observed[("distkv_directory_call_seconds", "ns", "0", "n1", "query")] == [0.0003, 0.0004, 0.0005]
