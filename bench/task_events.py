@@ -32,8 +32,6 @@ from scale import actor_processes, cpu_seconds, key  # noqa: E402  (bench/, this
 
 QUERY_KEYS = 90
 IN_FLIGHT = 100
-
-
 # Ray reports a process's task events every second (`task_events_report_interval_ms`):
 # after this long those of a round's calls are in the GCS.
 REPORT_WAIT_S = 3.0

@@ -20,7 +20,7 @@ import pytest
 import ray
 
 from distkv.harness import Replica
-from distkv.names import agent_name, shard_name
+from distkv.names import RAY_NAMESPACE, agent_name, shard_name
 from distkv.spec import ClusterOffloadingSpec
 from ray_actors.directory import get_or_create_shards, kill_shards
 
@@ -170,8 +170,6 @@ def test_the_directory_s_and_node_agent_s_calls_stay_out_of_ray_s_task_list(ray_
     """A fleet's publishes, polls and queries are thousands a second: kept among Ray's task
     events, they would push a user's own tasks out of the dashboard's list."""
     from ray.util.state import list_tasks
-
-    from distkv.names import RAY_NAMESPACE
 
     shard = get_or_create_shards(replica.spec.namespace, 1)[0]
     agent = ray.get_actor(agent_name(ray.get_runtime_context().get_node_id()), namespace=RAY_NAMESPACE)
