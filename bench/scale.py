@@ -847,6 +847,7 @@ class LoadProcess:
         sys.setswitchinterval(GENERATOR_SWITCH_INTERVAL_S)
         node_id = ray.get_runtime_context().get_node_id()
         clients = shard_clients(namespace, num_shards)
+        self.channels = [client.channel for client in clients]
         self.relay = None
         if relayed:
             self.relay = PublishRelay(namespace, clients)
@@ -864,10 +865,22 @@ class LoadProcess:
         processes may fill for longer than the shards wait for a silent replica."""
         self.generator.fill(time.monotonic())
         self._drain()
+        self._connect_channels()
         gc.collect()
         defer_full_collections()
         self._heartbeats = threading.Thread(target=self._heartbeat, name="heartbeats", daemon=True)
         self._heartbeats.start()
+
+    def _connect_channels(self) -> None:
+        """Connect the shards' query channels, which a replica's first query to each would
+        do (that query going through Ray): the run measures queries in the steady state."""
+        for channel in self.channels:
+            channel.connect()
+        while any(channel.connecting for channel in self.channels):
+            time.sleep(0.01)
+        failed = [channel.last_error for channel in self.channels if not channel.connected]
+        if failed:
+            raise RuntimeError(f"{len(failed)} query channels did not connect: {failed[:3]}")
 
     def _heartbeat(self) -> None:
         while not self._stop_heartbeats.wait(GENERATOR_TICK_S):

@@ -99,6 +99,9 @@ class ShardClient(Protocol):
     def cancel(self, future: Future) -> None:
         """Best effort: stop the call `future` answers (a long poll no one waits for any more)."""
 
+    def close(self) -> None:
+        """Let go of what the client holds open; the link that called it is done with it."""
+
 
 class InboxKind(enum.Enum):
     """What an item of a link's inbox holds."""
@@ -991,3 +994,5 @@ class DirectoryLink:
             if future is not None:
                 futures.append(future)
         concurrent.futures.wait(futures, timeout=CLOSE_TIMEOUT_S / 2)
+        for publisher in self._publishers:
+            publisher.client.close()

@@ -298,6 +298,9 @@ class RelayedShard:
     def cancel(self, future: Future) -> None:
         self.direct.cancel(future)
 
+    def close(self) -> None:
+        self.direct.close()
+
     def __repr__(self) -> str:
         return f"RelayedShard({self.direct!r}, {self.shard})"
 

@@ -4,15 +4,18 @@ Each shard is a detached, restartable asyncio actor around a `DirectoryState`, p
 round-robin over the cluster's live nodes, the head first (`shard_nodes`), with a soft
 affinity: when its node dies Ray restarts it on another one. Long polls for changes wait on
 an event, on an event loop of their own (a concurrency group), so that neither their waiting
-nor the packing of their answers holds up registers, publishes and queries. A restarted shard starts empty with a new epoch; the replicas' links notice
-and publish everything again. `shard_clients` hands a replica's `DirectoryLink` its
-shards as the `ShardClient`s it calls.
+nor the packing of their answers holds up registers, publishes and queries. Queries also
+come over the shard's `QueryServer` (`distkv.query_channel`), answered on the default loop
+too. A restarted shard starts empty with a new epoch; the replicas' links notice and
+publish everything again. `shard_clients` hands a replica's `DirectoryLink` its shards as
+the `ShardClient`s it calls.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 import threading
 import time
 import weakref
@@ -39,6 +42,7 @@ from distkv.directory_state import (
     unpack,
 )
 from distkv.names import RAY_NAMESPACE, check_pool_namespace, parse_shard_name, shard_name
+from distkv.query_channel import TOKEN_BYTES, QueryChannel, QueryServer
 
 logger = logging.getLogger(__name__)
 
@@ -86,6 +90,9 @@ class DirectoryShard:
         defer_full_collections()
         self._collections = ShardCollections(time.monotonic())
         self._watcher = self._loop.create_task(self._watch())
+        self._query_token = secrets.token_bytes(TOKEN_BYTES)
+        self._query_server = QueryServer(self._answer, namespace, self._query_token, self._check)
+        self._query_address = self._loop.create_task(self._query_server.start(ray.util.get_node_ip_address()))
 
     async def register(self, info: ReplicaInfo, seq: int, stored: bytes, namespace: str) -> tuple[str, bool, float]:
         """Register a replica afresh and publish everything it holds (packed entries), as one
@@ -163,11 +170,14 @@ class DirectoryShard:
     async def query(self, keys: Sequence[OffloadKey], namespace: str) -> bytes:
         """The packed (holders of each key, ReplicaInfo of each replica they name); see
         `DirectoryState.answer`."""
-        started = time.perf_counter()
         self._check(namespace)
-        answer = pack(self._state.answer(keys))
-        self._took("query", started)
-        return answer
+        return self._answer(keys)
+
+    async def query_endpoint(self) -> tuple[str, int, bytes]:
+        """(host, port, token) of this incarnation's `QueryServer`, which answers `query`
+        over a connection of the caller's (`distkv.query_channel`)."""
+        host, port = await asyncio.shield(self._query_address)
+        return host, port, self._query_token
 
     @ray.method(concurrency_group=FOLLOWERS_GROUP)
     async def changes(self, cursor: Cursor | None, timeout_s: float, namespace: str, follower: str | None = None) -> bytes:
@@ -231,6 +241,13 @@ class DirectoryShard:
 
     def _check(self, namespace: str) -> None:
         check_namespace(self._namespace, namespace, f"directory shard {shard_name(self._namespace, self._shard)}")
+
+    def _answer(self, keys: Sequence[OffloadKey]) -> bytes:
+        """On the default loop: `query`'s answer, however the query came."""
+        started = time.perf_counter()
+        answer = pack(self._state.answer(keys))
+        self._took("query", started)
+        return answer
 
     def _took(self, call: str, started: float) -> None:
         """Observe the time of a call that began at `started` (`time.perf_counter()`) and
@@ -309,11 +326,15 @@ def shard_nodes(nodes: Sequence[dict], num_shards: int) -> list[str]:
 
 
 class ShardActorClient:
-    """A `DirectoryShard` actor as a `distkv.directory.ShardClient`: each method calls the
-    actor's and returns the Future of its answer."""
+    """A `DirectoryShard` actor of cache namespace `namespace` as a
+    `distkv.directory.ShardClient`: each method calls the actor's and returns the Future of
+    its answer, but `query`, which goes over the shard's `QueryChannel` once that is
+    connected (the first query starts connecting it)."""
 
-    def __init__(self, actor: ray.actor.ActorHandle) -> None:
+    def __init__(self, actor: ray.actor.ActorHandle, namespace: str) -> None:
         self.actor = actor
+        self.namespace = namespace
+        self.channel = QueryChannel(lambda: actor.query_endpoint.remote().future(), namespace)
         # the ObjectRef behind each poll's Future, for `cancel`
         self._polls: weakref.WeakKeyDictionary[Future, ray.ObjectRef] = weakref.WeakKeyDictionary()
 
@@ -336,12 +357,20 @@ class ShardActorClient:
         return future
 
     def query(self, keys: Sequence[OffloadKey], namespace: str) -> Future:
+        if namespace == self.namespace:  # else the actor's query refuses it
+            try:
+                return self.channel.query(keys)
+            except ConnectionError:
+                self.channel.connect()
         return self.actor.query.remote(keys, namespace=namespace).future()
 
     def cancel(self, future: Future) -> None:
         ref = self._polls.pop(future, None)
         if ref is not None:
             ray.cancel(ref)
+
+    def close(self) -> None:
+        self.channel.close()
 
     def __repr__(self) -> str:
         return f"ShardActorClient({self.actor!r})"
@@ -383,14 +412,14 @@ def find_shards(namespace: str, num_shards: int) -> list[ShardActorClient]:
     if not isinstance(num_shards, int) or num_shards < 1:
         raise ValueError(f"num_shards={num_shards!r}: must be a positive int")
     return [
-        ShardActorClient(ray.get_actor(shard_name(namespace, shard), namespace=RAY_NAMESPACE))
+        ShardActorClient(ray.get_actor(shard_name(namespace, shard), namespace=RAY_NAMESPACE), namespace)
         for shard in range(num_shards)
     ]
 
 
 def shard_clients(namespace: str, num_shards: int) -> list[ShardActorClient]:
     """`get_or_create_shards`, each shard as the `ShardClient` a `DirectoryLink` takes."""
-    return [ShardActorClient(actor) for actor in get_or_create_shards(namespace, num_shards)]
+    return [ShardActorClient(actor, namespace) for actor in get_or_create_shards(namespace, num_shards)]
 
 
 def kill_shards(namespace: str) -> int:

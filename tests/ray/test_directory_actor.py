@@ -19,11 +19,13 @@ from distkv.directory import (
     unpack,
 )
 from distkv.names import segment_name
+from distkv.query_channel import QueryChannel
 from ray_actors.directory import (
     FOLLOWERS_GROUP,
     MAX_FOLLOWERS,
     NODE_POLL_S,
     DirectoryShard,
+    ShardActorClient,
     get_or_create_shards,
     kill_shards,
     shard_clients,
@@ -317,3 +319,60 @@ def test_registers_and_publishes_are_answered_while_the_followers_loop_is_busy(n
     assert changes.is_snapshot and changes.entries == [("a", node_id, [(key, 3, 1)], [])]
     ray.kill(shard)
 
+
+
+def connected(channel: QueryChannel) -> None:
+    wait_for(lambda: not channel.connecting, 30)
+    assert channel.connected, channel.last_error
+
+
+def test_queries_go_over_the_shard_s_channel_and_answer_as_its_actor_does(make_link, namespace):
+    a = make_link("a", num_shards=1)
+    keys = new_keys(30)
+    a.stored([(k, i, 1) for i, k in enumerate(keys)])
+    actor = get_or_create_shards(namespace, 1)[0]
+    wait_for(lambda: all(unpack(ray.get(actor.query.remote(keys, namespace=namespace)))[0]), 10)
+    client = ShardActorClient(actor, namespace)
+    assert not client.channel.connected
+    by_ray = unpack(client.query(keys, namespace).result(30))  # the first one starts connecting
+    connected(client.channel)
+    assert unpack(client.channel.query(keys).result(30)) == by_ray
+    assert unpack(client.query(keys, namespace).result(30)) == by_ray
+    with pytest.raises(ValueError, match="refuses a call for namespace 'other'"):
+        client.query(keys, "other").result(30)  # through Ray, whose shard refuses it
+    client.close()
+    assert not client.channel.connected
+
+
+def test_a_connection_without_the_shard_s_token_is_not_answered(namespace):
+    actor = get_or_create_shards(namespace, 1)[0]
+    host, port, token = ray.get(actor.query_endpoint.remote(), timeout=30)
+    wrong = bytes(b ^ 1 for b in token)
+    endpoint = ray.put((host, port, wrong))  # an ObjectRef's future, as the actor's would be
+    channel = QueryChannel(lambda: endpoint.future(), namespace)
+    channel.connect()
+    wait_for(lambda: not channel.connecting, 30)
+    assert not channel.connected
+    assert isinstance(channel.last_error, ConnectionError)
+
+
+def test_a_restarted_shard_s_queries_go_through_ray_until_its_channel_connects_again(make_link, namespace):
+    a = make_link("a", num_shards=1)
+    keys = new_keys(10)
+    a.stored([(k, i, 1) for i, k in enumerate(keys)])
+    actor = get_or_create_shards(namespace, 1)[0]
+    client = ShardActorClient(actor, namespace)
+    client.query(keys, namespace).result(30)
+    connected(client.channel)
+    endpoint = ray.get(actor.query_endpoint.remote(), timeout=30)
+    epochs = epochs_of([actor])
+
+    ray.kill(actor, no_restart=False)
+    wait_for(lambda: not client.channel.connected, 30)  # the old incarnation's connection went with it
+    wait_for(lambda: epochs_of([actor]) != epochs, 30)
+    # through Ray meanwhile, answered by the new incarnation, which the link refills; a query
+    # starts connecting the channel again once RECONNECT_DELAY_S has passed
+    wait_for(lambda: all(unpack(client.query(keys, namespace).result(30))[0]) and client.channel.connected, 30)
+    assert ray.get(actor.query_endpoint.remote(), timeout=30) != endpoint
+    assert all(unpack(client.channel.query(keys).result(30))[0])
+    client.close()

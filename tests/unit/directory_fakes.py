@@ -20,6 +20,7 @@ class FakeShard:
         self.state = DirectoryState()
         self.calls: list[tuple[str, tuple, Future]] = []
         self.cancelled: list[Future] = []
+        self.closed = False
         self.up = True
 
     def register(self, info, seq, stored, namespace) -> Future:
@@ -42,6 +43,9 @@ class FakeShard:
 
     def cancel(self, future: Future) -> None:
         self.cancelled.append(future)
+
+    def close(self) -> None:
+        self.closed = True
 
     def _call(self, method: str, *args) -> Future:
         future: Future = Future()
