@@ -77,7 +77,7 @@ def main() -> None:
     ray.init(address="local", num_cpus=2, object_store_memory=200 << 20, include_dashboard=False, namespace=RAY_NAMESPACE)
     namespace = f"bench{uuid.uuid4().hex[:8]}"
     try:
-        actor = get_or_create_shards(namespace, 1)[0]
+        actor = get_or_create_shards(namespace, 1, replica_timeout_s=3600.0)[0]  # the holder never heartbeats
         node_id = ray.get_runtime_context().get_node_id()
         info = ReplicaInfo("holder", node_id, segment_name(namespace, "holder"), HELD_KEYS, 1, PAGE_BYTES)
         keys = [key(i) for i in range(HELD_KEYS)]
