@@ -13,7 +13,9 @@ Only a caller Ray let in can connect: the shard hands its endpoint and a random 
 out through its Ray actor method (`query_endpoint`), and a connection that does not open
 with that token is closed unanswered. A connection is bound to one cache namespace, which
 its hello names and the server checks once. The server never unpickles: requests are
-length-prefixed keys; answers are the shard's packed answers.
+length-prefixed keys; answers are the shard's packed answers. The channel is plaintext, as
+Ray's own traffic is by default; where Ray's is encrypted (`RAY_USE_TLS`), shards serve no
+channel and queries stay on Ray (`channel_allowed`).
 
 Frames, little-endian, each a u32 length and then its body:
 - hello (client): the token, then the namespace in UTF-8;
@@ -27,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
+import os
 import socket
 import struct
 import threading
@@ -55,6 +58,12 @@ _ID = struct.Struct("<I")
 _ANSWER_HEAD = struct.Struct("<IB")
 _KEY_LENGTH = struct.Struct("<H")
 OK, ERROR = 0, 1
+
+
+def channel_allowed() -> bool:
+    """Whether queries may leave Ray for a channel: not where Ray encrypts its own traffic
+    (`RAY_USE_TLS`, read as Ray reads it), which a plaintext channel would undercut."""
+    return os.environ.get("RAY_USE_TLS", "0").lower() not in ("1", "true")
 
 
 class ProtocolError(ConnectionError):
@@ -239,6 +248,8 @@ class QueryChannel:
                 except OSError as e:
                     sent, frame_error = 0, ConnectionError(f"query channel closed: sending failed: {e}")
                 if sent == len(frame):
+                    # sent and recorded under the lock, under which the reader takes an
+                    # answer's Future: an answer that comes back at once still finds it
                     self._pending[request_id] = (future, self._clock())
                     return future
                 # a frame sent in part leaves the stream unreadable: the connection goes

@@ -42,7 +42,7 @@ from distkv.directory_state import (
     unpack,
 )
 from distkv.names import RAY_NAMESPACE, check_pool_namespace, parse_shard_name, shard_name
-from distkv.query_channel import TOKEN_BYTES, QueryChannel, QueryServer
+from distkv.query_channel import TOKEN_BYTES, QueryChannel, QueryServer, channel_allowed
 
 logger = logging.getLogger(__name__)
 
@@ -91,8 +91,10 @@ class DirectoryShard:
         self._collections = ShardCollections(time.monotonic())
         self._watcher = self._loop.create_task(self._watch())
         self._query_token = secrets.token_bytes(TOKEN_BYTES)
-        self._query_server = QueryServer(self._answer, namespace, self._query_token, self._check)
-        self._query_address = self._loop.create_task(self._query_server.start(ray.util.get_node_ip_address()))
+        self._query_address: asyncio.Task | None = None
+        if channel_allowed():
+            server = QueryServer(self._answer, namespace, self._query_token, self._check)
+            self._query_address = self._loop.create_task(server.start(ray.util.get_node_ip_address()))
 
     async def register(self, info: ReplicaInfo, seq: int, stored: bytes, namespace: str) -> tuple[str, bool, float]:
         """Register a replica afresh and publish everything it holds (packed entries), as one
@@ -175,7 +177,10 @@ class DirectoryShard:
 
     async def query_endpoint(self) -> tuple[str, int, bytes]:
         """(host, port, token) of this incarnation's `QueryServer`, which answers `query`
-        over a connection of the caller's (`distkv.query_channel`)."""
+        over a connection of the caller's (`distkv.query_channel`); RuntimeError where
+        `channel_allowed` says no."""
+        if self._query_address is None:
+            raise RuntimeError("this shard serves no query channel: Ray's traffic is encrypted (RAY_USE_TLS)")
         host, port = await asyncio.shield(self._query_address)
         return host, port, self._query_token
 
@@ -329,12 +334,14 @@ class ShardActorClient:
     """A `DirectoryShard` actor of cache namespace `namespace` as a
     `distkv.directory.ShardClient`: each method calls the actor's and returns the Future of
     its answer, but `query`, which goes over the shard's `QueryChannel` once that is
-    connected (the first query starts connecting it)."""
+    connected (the first query starts connecting it), where `channel_allowed`."""
 
     def __init__(self, actor: ray.actor.ActorHandle, namespace: str) -> None:
         self.actor = actor
         self.namespace = namespace
-        self.channel = QueryChannel(lambda: actor.query_endpoint.remote().future(), namespace)
+        self.channel: QueryChannel | None = None
+        if channel_allowed():
+            self.channel = QueryChannel(lambda: actor.query_endpoint.remote().future(), namespace)
         # the ObjectRef behind each poll's Future, for `cancel`
         self._polls: weakref.WeakKeyDictionary[Future, ray.ObjectRef] = weakref.WeakKeyDictionary()
 
@@ -357,7 +364,7 @@ class ShardActorClient:
         return future
 
     def query(self, keys: Sequence[OffloadKey], namespace: str) -> Future:
-        if namespace == self.namespace:  # else the actor's query refuses it
+        if self.channel is not None and namespace == self.namespace:  # else the actor's query refuses it
             try:
                 return self.channel.query(keys)
             except ConnectionError:
@@ -370,7 +377,8 @@ class ShardActorClient:
             ray.cancel(ref)
 
     def close(self) -> None:
-        self.channel.close()
+        if self.channel is not None:
+            self.channel.close()
 
     def __repr__(self) -> str:
         return f"ShardActorClient({self.actor!r})"

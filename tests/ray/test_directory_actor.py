@@ -376,3 +376,15 @@ def test_a_restarted_shard_s_queries_go_through_ray_until_its_channel_connects_a
     assert ray.get(actor.query_endpoint.remote(), timeout=30) != endpoint
     assert all(unpack(client.channel.query(keys).result(30))[0])
     client.close()
+
+
+def test_where_ray_encrypts_its_traffic_queries_stay_on_ray(make_link, namespace, monkeypatch):
+    a = make_link("a", num_shards=1)
+    keys = new_keys(5)
+    a.stored([(k, i, 1) for i, k in enumerate(keys)])
+    monkeypatch.setenv("RAY_USE_TLS", "1")  # as this process reads it; the shard was started without
+    actor = get_or_create_shards(namespace, 1)[0]
+    client = ShardActorClient(actor, namespace)
+    assert client.channel is None
+    wait_for(lambda: all(unpack(client.query(keys, namespace).result(30))[0]), 10)
+    client.close()

@@ -16,6 +16,7 @@ from distkv.query_channel import (
     QueryChannel,
     QueryServer,
     RefusedError,
+    channel_allowed,
     decode_keys,
     encode_keys,
 )
@@ -267,3 +268,12 @@ def test_a_failed_query_s_callback_may_query_again_without_deadlock(shard):
     channel.close()
     assert len(again) == 1
     shard.hold.set()
+
+
+@pytest.mark.parametrize("value, allowed", [(None, True), ("0", True), ("1", False), ("true", False), ("True", False)])
+def test_no_channel_where_ray_encrypts_its_own_traffic(monkeypatch, value, allowed):
+    if value is None:
+        monkeypatch.delenv("RAY_USE_TLS", raising=False)
+    else:
+        monkeypatch.setenv("RAY_USE_TLS", value)
+    assert channel_allowed() is allowed
