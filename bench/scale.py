@@ -31,14 +31,15 @@ each --replicas count, a fresh namespace's shards and 4 generator processes (one
 hosting the replicas: a `LoadGenerator` each, whose replicas publish through the
 product's `Publisher` (one per shard, stepped every 2 s: a publish per replica per shard
 per flush, doubling as its heartbeat) and ask `query` like replicas that miss and follow
-no view (one call per shard a request's keys touch). With --publish relayed (the default,
+no view (one call per shard a request's keys touch, over the shard's query channel,
+connected before the load). With --publish relayed (the default,
 what queried replicas do) a process's replicas publish through one `PublishRelay` in the
 process, as a node's through its NodeAgent's (the hop from a replica to its agent is the
 node's cost: bench/relay.py); with direct, each to every shard; each path is measured in
 turn at every point. Two cores cannot offer the model's
 rates: each replica offers --events-per-s stores and evictions and --requests-per-s
 requests of 90 keys, and the output says so beside the model's. Each point: the shards'
-CPU per stats call and idle CPU for 2 s, fill (every replica registers 2,048 held keys
+CPU per stats call, per one-key query over the channel and idle CPU for 2 s, fill (every replica registers 2,048 held keys
 and heartbeats from then on), then --seconds of load and a drain:
   events           offered by the generators, applied by the shards (their stats), lost
                    ("?" where replicas registered again: their keys count as applied too)
@@ -54,8 +55,9 @@ and heartbeats from then on), then --seconds of load and a drain:
                    virtual machine's host took for others (steal); how long a shard's
                    threads waited for a CPU per second (Linux's schedstat)
   model            the Directory's cores predicted by docs/scale.md's model from the
-                   offered load, with the cost per stats call and with the cost per call
-                   fitted to the points; the CPU per event at the model's rates
+                   offered load, with the cost per stats call and with the cost per Ray
+                   call fitted to the points (queries at the cost per channel query); the
+                   CPU per event at the model's rates
 A point whose changes do not all land within 120 s (DRAIN_TIMEOUT_S) is printed as not
 measured, with why, and the run goes on.
 --model: the model's shards and CPU for 1,000 replicas and 100M blocks from the inputs
@@ -118,7 +120,7 @@ from distkv.errors import ErrorLog  # noqa: E402
 from distkv.names import segment_name  # noqa: E402
 from distkv.spec import ClusterOffloadingSpec  # noqa: E402
 from distkv.relay import PublishRelay, RelayedShard  # noqa: E402
-from ray_actors.directory import get_or_create_shards, kill_shards, shard_clients  # noqa: E402
+from ray_actors.directory import ShardActorClient, get_or_create_shards, kill_shards, shard_clients  # noqa: E402
 
 MiB = 1 << 20
 CHUNK = 500  # keys stored (and removed) per publish call
@@ -575,6 +577,27 @@ def call_cpu(shard, processes: list[psutil.Process], calls: int = 2000) -> float
     return (sum(cpu_seconds(p) for p in processes) - before) / (calls // 100 * 100)
 
 
+def channel_query_cpu(shard, namespace: str, processes: list[psutil.Process], calls: int = 2000) -> float:
+    """CPU seconds the shards' `processes` spend per query over `shard`'s query channel
+    that asks almost nothing (one key no one holds): what the channel costs a shard for a
+    query besides its keys, 100 queries in flight at a time."""
+    client = ShardActorClient(shard, namespace)
+    try:
+        client.query([key(0)], namespace).result()  # through Ray; it starts connecting the channel
+        while client.channel.connecting:
+            time.sleep(0.01)
+        if not client.channel.connected:
+            raise RuntimeError(f"the query channel did not connect: {client.channel.last_error}")
+        before = sum(cpu_seconds(p) for p in processes)
+        for _ in range(calls // 100):
+            futures = [client.channel.query([key(0)]) for _ in range(100)]
+            for future in futures:
+                future.result()
+        return (sum(cpu_seconds(p) for p in processes) - before) / (calls // 100 * 100)
+    finally:
+        client.close()
+
+
 # ---- lightweight replicas: a load generator ----------------------------------------------
 
 # The model's rates per replica (docs/scale.md): what a replica would offer at full load.
@@ -1023,6 +1046,7 @@ def generator_point(
         shard_procs = actor_processes("DirectoryShard", num_shards)
         # what a call and no call cost the shards, before the replicas' calls begin
         per_call = call_cpu(handles[0], shard_procs, calls=1000)
+        per_channel_query = channel_query_cpu(handles[0], namespace, shard_procs, calls=1000)
         idle_before, idle_started = sum(cpu_seconds(p) for p in shard_procs), time.monotonic()
         time.sleep(IDLE_S)
         idle_cores = (sum(cpu_seconds(p) for p in shard_procs) - idle_before) / (time.monotonic() - idle_started)
@@ -1105,6 +1129,7 @@ def generator_point(
         "directory_cpu_us_per_event": directory_cpu / events_applied * 1e6 if events_applied else None,
         "directory_cpu_us_per_call": directory_cpu / calls * 1e6 if calls else None,
         "directory_cpu_us_per_stats_call": per_call * 1e6,
+        "directory_cpu_us_per_channel_query": per_channel_query * 1e6,
         "directory_idle_cores": idle_cores,
         "publishes_per_s": publish_calls / wall,
         "generator_cores": sum(r["cpu_s"] for r in results) / wall,
@@ -1136,12 +1161,15 @@ NODE_REPLICAS = 8  # replicas of one node, when the node aggregates their publis
 
 @dataclasses.dataclass(frozen=True)
 class ModelInputs:
-    """The measured inputs of docs/scale.md's model: shard CPU seconds per call (`c_call`),
-    per event published (`c_pub`) and per key queried (`c_query`), cores of a shard that
-    takes no calls (`c_idle`: its node watcher, Ray's own); shard bytes per key (`m_key`)
-    and per extra holder (`m_holder`). `source` says where they came from."""
+    """The measured inputs of docs/scale.md's model: shard CPU seconds per Ray call
+    (`c_call`: registers, publishes), per query call over the query channel besides its
+    keys (`c_query_call`), per event published (`c_pub`) and per key queried (`c_query`),
+    cores of a shard that takes no calls (`c_idle`: its node watcher, Ray's own); shard
+    bytes per key (`m_key`) and per extra holder (`m_holder`). `source` says where they
+    came from."""
 
     c_call: float
+    c_query_call: float
     c_pub: float
     c_query: float
     m_key: float
@@ -1150,9 +1178,15 @@ class ModelInputs:
     c_idle: float = 0.0
 
 
-def model_cores(calls_per_s: float, events_per_s: float, keys_queried_per_s: float, inputs: ModelInputs, shards: float = 0) -> float:
-    """Directory CPU = S · c_idle + calls · c_call + E · c_pub + Q · c_query, in cores."""
-    return shards * inputs.c_idle + calls_per_s * inputs.c_call + events_per_s * inputs.c_pub + keys_queried_per_s * inputs.c_query
+def model_cores(
+    ray_calls_per_s: float, query_calls_per_s: float, events_per_s: float, keys_queried_per_s: float, inputs: ModelInputs,
+    shards: float = 0,
+) -> float:
+    """Directory CPU = S · c_idle + Ray calls · c_call + query calls · c_query_call + E · c_pub + Q · c_query, in cores."""
+    return (
+        shards * inputs.c_idle + ray_calls_per_s * inputs.c_call + query_calls_per_s * inputs.c_query_call
+        + events_per_s * inputs.c_pub + keys_queried_per_s * inputs.c_query
+    )
 
 
 def fleet_model(
@@ -1168,14 +1202,14 @@ def fleet_model(
     events = replicas * MODEL_EVENTS_PER_S
     requests = replicas * MODEL_REQUESTS_PER_S
     keys_queried = requests * MODEL_QUERY_KEYS
-    work = model_cores(requests * QUERY_CALLS_PER_REQUEST, events, keys_queried, inputs)
+    query_calls = requests * QUERY_CALLS_PER_REQUEST
+    work = model_cores(0, query_calls, events, keys_queried, inputs)
     left = SHARD_CORES - inputs.c_idle - publishers * inputs.c_call / flush_s  # of a shard, once its publishes are paid
     cpu_shards = math.ceil(work / left) if left > 0 else math.inf
     memory = blocks * (inputs.m_key + (FLEET_HOLDERS - 1) * inputs.m_holder)
     memory_shards = math.ceil(memory / SHARD_BYTES)
     shards = max(cpu_shards, memory_shards)
     publishes = publishers * shards / flush_s if shards != math.inf else math.inf
-    calls = publishes + requests * QUERY_CALLS_PER_REQUEST
     return {
         "replicas": replicas,
         "blocks": blocks,
@@ -1184,25 +1218,37 @@ def fleet_model(
         "cpu_shards": cpu_shards,
         "memory_shards": memory_shards,
         "shards": shards,
-        "calls_per_s": calls,
-        "cores": model_cores(calls, events, keys_queried, inputs, shards),
+        "calls_per_s": publishes + query_calls,
+        "cores": model_cores(publishes, query_calls, events, keys_queried, inputs, shards),
         "memory_bytes": memory,
         # the shortest flush interval at which a shard's publishes leave it any CPU
         "min_flush_s": publishers * inputs.c_call / (SHARD_CORES - inputs.c_idle) if inputs.c_idle < SHARD_CORES else math.inf,
     }
 
 
+def query_calls_per_s(point: dict[str, Any]) -> float:
+    return point["query_calls"] / point["wall_s"]
+
+
+def channel_query_cost(point: dict[str, Any]) -> float:
+    """A point's shard CPU seconds per query call over the channel, besides its keys."""
+    if "directory_cpu_us_per_channel_query" not in point:
+        raise ValueError("figures from before the query channel (no directory_cpu_us_per_channel_query): measure again")
+    return point["directory_cpu_us_per_channel_query"] / 1e6
+
+
 def fitted_call_cost(points: list[dict[str, Any]], c_pub: float, c_query: float) -> float | None:
-    """The shard CPU per call that best explains the generator's points (least squares),
-    given each point's idle shard CPU and the state's own costs per event and per key:
-    Ray's cost per call under many callers."""
+    """The shard CPU per Ray call that best explains the generator's points (least
+    squares), given each point's idle shard CPU, its queries' cost over the channel and the
+    state's own costs per event and per key: Ray's cost per call under many callers."""
     pairs = [
         (
-            p["calls_per_s"],
-            p["directory_cores"] - p.get("directory_idle_cores", 0.0) - p["events_per_s"] * c_pub - p["queried_keys_per_s"] * c_query,
+            p["calls_per_s"] - query_calls_per_s(p),
+            p["directory_cores"] - p.get("directory_idle_cores", 0.0) - query_calls_per_s(p) * channel_query_cost(p)
+            - p["events_per_s"] * c_pub - p["queried_keys_per_s"] * c_query,
         )
         for p in points
-        if p["calls_per_s"] > 0
+        if p["calls_per_s"] > query_calls_per_s(p)
     ]
     if not pairs:
         return None
@@ -1232,7 +1278,8 @@ def model_inputs(figures: dict[str, Any], source: str) -> ModelInputs:
         c_call = max(stats_calls) / 1e6
         how = "c_call the largest per stats call"
     c_idle = max((p["directory_idle_cores"] / p["shards"] for p in points if "directory_idle_cores" in p), default=0.0)
-    return ModelInputs(c_call, c_pub, c_query, m_key, state["extra_holder_bytes_per_key"], f"{source}; {how}", c_idle)
+    c_query_call = max((channel_query_cost(p) for p in points), default=c_call)
+    return ModelInputs(c_call, c_query_call, c_pub, c_query, m_key, state["extra_holder_bytes_per_key"], f"{source}; {how}", c_idle)
 
 
 def print_model(inputs: ModelInputs) -> None:
@@ -1240,7 +1287,7 @@ def print_model(inputs: ModelInputs) -> None:
     m = fleet_model(inputs, replicas_per_publisher=NODE_REPLICAS)
     print(f"model inputs ({inputs.source}):")
     print(
-        f"  c_call {inputs.c_call * 1e6:.0f} us/call, c_idle {inputs.c_idle:.3f} cores/shard, c_pub {inputs.c_pub * 1e6:.2f} us/event, "
+        f"  c_call {inputs.c_call * 1e6:.0f} us/Ray call, c_query_call {inputs.c_query_call * 1e6:.0f} us/query call, c_idle {inputs.c_idle:.3f} cores/shard, c_pub {inputs.c_pub * 1e6:.2f} us/event, "
         f"c_query {inputs.c_query * 1e6:.2f} us/key, m_key {inputs.m_key:.0f} B, m_holder {inputs.m_holder:.0f} B"
     )
     print(
@@ -1315,8 +1362,9 @@ def print_view_replicas(replicas: list[dict[str, Any]]) -> None:
 
 def generator_model(points: list[dict[str, Any]], state: dict[str, Any]) -> dict[str, Any]:
     """The model beside each generator point: the Directory's cores predicted with the
-    cost per stats call (`predicted`) and with the cost per call fitted to all points
-    (`refit`), each with the point's idle CPU; and the CPU per event amortised at the
+    cost per stats call (`predicted`) and with the cost per Ray call fitted to all points
+    (`refit`), each with the point's idle CPU and its queries at the point's cost per
+    channel query; and the CPU per event amortised at the
     model's rates (`us_per_event_at_model_rates`): the same publishes (one per replica per
     shard per flush interval, however many events it carries) and idle CPU, spread over
     replicas · e events, with the fitted cost per call."""
@@ -1325,13 +1373,18 @@ def generator_model(points: list[dict[str, Any]], state: dict[str, Any]) -> dict
     fitted = fitted_call_cost(points, c_pub, c_query)
     rows = []
     for p in points:
-        load = (p["calls_per_s"], p["events_per_s"], p["queried_keys_per_s"])
+        queries = query_calls_per_s(p)
+        load = (p["calls_per_s"] - queries, queries, p["events_per_s"], p["queried_keys_per_s"])
+        c_query_call = channel_query_cost(p)
         model_events = p["replicas"] * MODEL_EVENTS_PER_S
+        predicted = ModelInputs(p["directory_cpu_us_per_stats_call"] / 1e6, c_query_call, c_pub, c_query, 0, 0, "")
         rows.append({
             "replicas": p["replicas"],
             "shards": p["shards"],
-            "predicted_cores": p["directory_idle_cores"] + model_cores(*load, ModelInputs(p["directory_cpu_us_per_stats_call"] / 1e6, c_pub, c_query, 0, 0, "")),
-            "refit_cores": None if fitted is None else p["directory_idle_cores"] + model_cores(*load, ModelInputs(fitted, c_pub, c_query, 0, 0, "")),
+            "predicted_cores": p["directory_idle_cores"] + model_cores(*load, predicted),
+            "refit_cores": None if fitted is None else p["directory_idle_cores"] + model_cores(
+                *load, dataclasses.replace(predicted, c_call=fitted)
+            ),
             "us_per_event_at_model_rates": None if fitted is None else (
                 p["directory_idle_cores"] + p["publishes_per_s"] * fitted + model_events * c_pub
             ) / model_events * 1e6,
@@ -1352,7 +1405,7 @@ def print_generator(points: list[dict[str, Any]], rates: LoadRates, model: dict[
     )
     print(
         f"{'replicas':>8} {'shards':>6} {'publish':>8} {'load':>5} {'offered ev':>11} {'applied':>9} {'lost':>5} {'calls/s':>8} {'Dir cores':>9} "
-        f"{'idle':>6} {'busiest':>8} {'us/event':>9} {'@model e':>9} {'us/call':>8} {'us/stats':>9} {'calls/req':>9} "
+        f"{'idle':>6} {'busiest':>8} {'us/event':>9} {'@model e':>9} {'us/call':>8} {'us/stats':>9} {'us/chanq':>9} {'calls/req':>9} "
         f"{'q p50 ms':>9} {'q p99 ms':>9} {'hit':>5} {'model':>7} {'refit':>7} {'gen cores':>9} {'gen late ms':>11} {'busy':>5} {'steal':>5} {'wait':>5}"
     )
     for p, m in zip(points, model["points"]):
@@ -1361,7 +1414,8 @@ def print_generator(points: list[dict[str, Any]], rates: LoadRates, model: dict[
             f"{lost_text(p):>5} {p['calls_per_s']:>8,.0f} {p['directory_cores']:>9.3f} {p['directory_idle_cores']:>6.3f} "
             f"{p['busiest_shard_cores']:>8.3f} {p['directory_cpu_us_per_event'] or float('nan'):>9.1f} "
             f"{m['us_per_event_at_model_rates'] or float('nan'):>9.1f} {p['directory_cpu_us_per_call'] or float('nan'):>8.0f} "
-            f"{p['directory_cpu_us_per_stats_call']:>9.0f} {p['query_calls_per_request'] or float('nan'):>9.1f} "
+            f"{p['directory_cpu_us_per_stats_call']:>9.0f} {p['directory_cpu_us_per_channel_query']:>9.0f} "
+            f"{p['query_calls_per_request'] or float('nan'):>9.1f} "
             f"{p['query_p50_ms']:>9.2f} {p['query_p99_ms']:>9.2f} {p['query_hit_rate'] or 0:>5.0%} {m['predicted_cores']:>7.3f} "
             f"{m['refit_cores'] or float('nan'):>7.3f} {p['generator_cores']:>9.3f} "
             f"{p['generator_step_late_p99_ms']:>5.0f}/{p['generator_step_late_max_ms']:<5.0f} "
@@ -1369,8 +1423,9 @@ def print_generator(points: list[dict[str, Any]], rates: LoadRates, model: dict[
         )
     if model["c_call_fitted"] is not None:
         print(
-            f"model: cores = idle + calls/s * c_call + events/s * {model['c_pub'] * 1e6:.2f} us + keys queried/s * "
-            f"{model['c_query'] * 1e6:.2f} us (the state's costs at {model['at_state_keys']:,} keys); 'model' with c_call = us/stats, "
+            f"model: cores = idle + Ray calls/s * c_call + query calls/s * us/chanq + events/s * {model['c_pub'] * 1e6:.2f} us + "
+            f"keys queried/s * {model['c_query'] * 1e6:.2f} us (the state's costs at {model['at_state_keys']:,} keys); 'us/chanq': "
+            f"a query of one key over the channel; 'model' with c_call = us/stats, "
             f"'refit' with c_call = {model['c_call_fitted'] * 1e6:.0f} us fitted to these points; '@model e': us/event amortised "
             f"at the model's {MODEL_EVENTS_PER_S} events/s per replica (same publishes, refit c_call); 'gen late': p99/max of how "
             f"late the generators' {GENERATOR_TICK_S * 1e3:.0f} ms steps ran; 'busy': the machine's cores busy, 'steal': the share of its CPU "

@@ -3,6 +3,7 @@ replicas against fake shards must offer exactly what the shards apply, ask one q
 call per shard a request's keys touch, and the model must give docs/scale.md's figures
 from its inputs. Nothing here is timed."""
 
+import dataclasses
 import importlib.util
 import math
 import os
@@ -194,7 +195,9 @@ def test_the_replicas_prefixes_spread_over_every_shard(num_shards):
 
 
 def test_the_model_gives_the_documented_fleet_from_the_documented_inputs():
-    inputs = scale.ModelInputs(c_call=265e-6, c_pub=1.95e-6, c_query=2.58e-6, m_key=349, m_holder=220, source="docs/scale.md")
+    inputs = scale.ModelInputs(
+        c_call=265e-6, c_query_call=265e-6, c_pub=1.95e-6, c_query=2.58e-6, m_key=349, m_holder=220, source="docs/scale.md"
+    )
     fleet = scale.fleet_model(inputs)
     assert fleet["shards"] == 20 and fleet["cpu_shards"] == 20 and fleet["memory_shards"] == 10
     assert fleet["cores"] == pytest.approx(9.9, abs=0.05)
@@ -204,14 +207,36 @@ def test_the_model_gives_the_documented_fleet_from_the_documented_inputs():
     assert scale.fleet_model(inputs, flush_s=0.5)["shards"] == math.inf
 
 
+def test_queries_over_the_channel_cost_the_model_their_own_call_cost():
+    inputs = scale.ModelInputs(
+        c_call=1650e-6, c_query_call=10e-6, c_pub=1.3e-6, c_query=2.9e-6, m_key=353, m_holder=171, source="test"
+    )
+    fleet = scale.fleet_model(inputs, replicas_per_publisher=scale.NODE_REPLICAS)
+    as_ray_calls = scale.fleet_model(dataclasses.replace(inputs, c_query_call=inputs.c_call), replicas_per_publisher=scale.NODE_REPLICAS)
+    queries = scale.FLEET_REPLICAS * scale.MODEL_REQUESTS_PER_S
+    publishes = fleet["calls_per_s"] - queries
+    assert fleet["cores"] == pytest.approx(
+        fleet["shards"] * inputs.c_idle + publishes * inputs.c_call + queries * inputs.c_query_call
+        + fleet["events_per_s"] * inputs.c_pub + fleet["keys_queried_per_s"] * inputs.c_query
+    )
+    assert fleet["shards"] < as_ray_calls["shards"] and fleet["cores"] < as_ray_calls["cores"]
+
+
 def test_the_fitted_cost_per_call_explains_the_points():
-    c_call, c_pub, c_query = 300e-6, 2e-6, 3e-6
+    c_call, c_query_call, c_pub, c_query = 300e-6, 20e-6, 2e-6, 3e-6
     points = [
-        {"calls_per_s": calls, "events_per_s": events, "queried_keys_per_s": keys,
-         "directory_cores": calls * c_call + events * c_pub + keys * c_query}
-        for calls, events, keys in ((100, 5000, 900), (800, 20000, 3600), (3000, 25000, 3600))
+        {"calls_per_s": calls + queries, "query_calls": queries * 10, "wall_s": 10, "events_per_s": events, "queried_keys_per_s": keys,
+         "directory_cpu_us_per_channel_query": c_query_call * 1e6,
+         "directory_cores": calls * c_call + queries * c_query_call + events * c_pub + keys * c_query}
+        for calls, queries, events, keys in ((100, 10, 5000, 900), (800, 40, 20000, 3600), (3000, 40, 25000, 3600))
     ]
     assert scale.fitted_call_cost(points, c_pub, c_query) == pytest.approx(c_call)
+
+
+def test_figures_from_before_the_query_channel_are_refused_by_the_model():
+    point = {"calls_per_s": 10, "query_calls": 10, "wall_s": 10, "events_per_s": 1, "queried_keys_per_s": 1, "directory_cores": 0.1}
+    with pytest.raises(ValueError, match="before the query channel"):
+        scale.fitted_call_cost([point], 1e-6, 1e-6)
 
 
 def test_requests_start_with_the_load_not_with_the_fill():
