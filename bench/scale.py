@@ -38,8 +38,9 @@ process, as a node's through its NodeAgent's (the hop from a replica to its agen
 node's cost: bench/relay.py); with direct, each to every shard; each path is measured in
 turn at every point. Two cores cannot offer the model's
 rates: each replica offers --events-per-s stores and evictions and --requests-per-s
-requests of 90 keys, and the output says so beside the model's. Each point: the shards'
-CPU per stats call, per one-key query over the channel and idle CPU for 2 s, fill (every replica registers 2,048 held keys
+requests of 90 keys, and the output says so beside the model's. Each point: a wait for
+a quiet machine (under 0.3 busy cores, 60 s at most: the point before may leave work
+behind), the shards' CPU per stats call, per one-key query over the channel and idle CPU for 2 s, fill (every replica registers 2,048 held keys
 and heartbeats from then on), then --seconds of load and a drain:
   events           offered by the generators, applied by the shards (their stats), lost
                    ("?" where replicas registered again: their keys count as applied too)
@@ -854,6 +855,12 @@ GENERATOR_NODES = 3  # simulated nodes besides the head; shards and generator pr
 # long behind the others' work, which a replica's own process would not make it do.
 GENERATOR_SWITCH_INTERVAL_S = 0.001
 ANSWER_TIMEOUT_S = 10.0
+# The replicas' churn frees about as many objects as it makes, so Python's count starts few
+# young collections and each then visits all that piled up (ShardCollections): in one
+# process of 64 replicas they took 10-97 ms each, every answer the process times waiting.
+# A replica's own process would pile up a 64th of that; the run collects its young
+# generations at every step instead.
+GENERATOR_YOUNG_COLLECTION = 1
 IDLE_S = 2.0  # the shards' CPU with no calls, measured for this long before the load
 
 
@@ -883,7 +890,8 @@ class LoadProcess:
     def fill(self) -> None:
         """Register every replica with its `held` keys, and wait until the shards have them.
         The process then makes no full garbage collection by itself, as a shard does: its
-        replicas' keys would make each one pause the answers it times. Until `run`, a
+        replicas' keys would make each one pause the answers it times (and `run` collects
+        the young generations at each step). Until `run`, a
         thread keeps the replicas' heartbeats going, as live replicas do: the other
         processes may fill for longer than the shards wait for a silent replica."""
         self.generator.fill(time.monotonic())
@@ -928,6 +936,7 @@ class LoadProcess:
             now = time.monotonic()
             late.append(now - (start + ticks * GENERATOR_TICK_S))
             generator.step(now)
+            gc.collect(GENERATOR_YOUNG_COLLECTION)
             ticks += 1
             time.sleep(max(0.0, start + ticks * GENERATOR_TICK_S - time.monotonic()))
         self._drain()
@@ -1025,7 +1034,8 @@ def generator_scale(
                     print(
                         f"  {num_replicas} replicas, {num_shards} shards, {path}: {r['directory_cores']:.3f} cores, "
                         f"{r['directory_cpu_us_per_event'] or float('nan'):.1f} us/event, query p99 {r['query_p99_ms']:.1f} ms, "
-                        f"lost {lost_text(r)}, load {r['load_average'][0]:.1f}, registers {r['registers']} "
+                        f"lost {lost_text(r)}, load {r['load_average'][0]:.1f} (settled {r['settle_s']:.0f} s, "
+                        f"{r['settled_busy_cores']:.2f} cores busy), registers {r['registers']} "
                         f"(expired {r['expired_replicas']}, dropped {r['dropped_replicas']}, shard restarts {r['shard_restarts']})",
                         file=sys.stderr, flush=True,
                     )
@@ -1035,9 +1045,30 @@ def generator_scale(
     return rows, failed
 
 
+# A point starts once the machine's busy cores over a second fall below this (Ray's own
+# processes of four idle nodes take 0.1-0.15), or after SETTLE_TIMEOUT_S: a point that
+# saturates the machine leaves work behind it (its processes ending, Ray catching up), which
+# the next point's load would otherwise share the cores with.
+SETTLED_BUSY_CORES = 0.3
+SETTLE_TIMEOUT_S = 60.0
+
+
+def settle() -> tuple[float, float]:
+    """Wait for a quiet machine (SETTLED_BUSY_CORES); (seconds waited, busy cores over the last second)."""
+    started = time.monotonic()
+    while True:
+        before, since = psutil.cpu_times(), time.monotonic()
+        time.sleep(1.0)
+        delta = [after - b for after, b in zip(psutil.cpu_times(), before)]
+        busy = (sum(delta) - machine_field(delta, "idle") - machine_field(delta, "steal")) / (time.monotonic() - since)
+        if busy < SETTLED_BUSY_CORES or time.monotonic() - started > SETTLE_TIMEOUT_S:
+            return time.monotonic() - started, busy
+
+
 def generator_point(
     num_replicas: int, num_shards: int, rates: LoadRates, seconds: float, node_ids: list[str], path: str
 ) -> dict[str, Any]:
+    settle_s, settled_busy = settle()
     namespace = f"scale{uuid.uuid4().hex[:12]}"
     handles = get_or_create_shards(namespace, num_shards)
     processes: list = []
@@ -1095,6 +1126,8 @@ def generator_point(
         "wall_s": wall,
         "load_average": load,
         "load_average_end": os.getloadavg(),
+        "settle_s": settle_s,
+        "settled_busy_cores": settled_busy,
         "offered_events_per_replica_s": rates.events_per_s,
         "offered_requests_per_replica_s": rates.requests_per_s,
         "events_offered": events_offered,
