@@ -857,7 +857,7 @@ GENERATOR_SWITCH_INTERVAL_S = 0.001
 ANSWER_TIMEOUT_S = 10.0
 # The replicas' churn frees about as many objects as it makes, so Python's count starts few
 # young collections and each then visits all that piled up (ShardCollections): in one
-# process of 64 replicas they took 10-97 ms each, every answer the process times waiting.
+# process of 64 replicas the longest took 40-97 ms, every answer the process times waiting.
 # A replica's own process would pile up a 64th of that; the run collects its young
 # generations at every step instead.
 GENERATOR_YOUNG_COLLECTION = 1
