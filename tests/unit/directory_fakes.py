@@ -9,6 +9,16 @@ def key(i: int) -> bytes:
     return i.to_bytes(8, "big") * 4 + b"\0\0\0\0"
 
 
+class Clock:
+    """A clock the test moves by hand (`now`)."""
+
+    def __init__(self, now: float = 0.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
 class ShardDown(Exception):
     pass
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from directory_fakes import FakeShard
+from directory_fakes import Clock, FakeShard
 
 from distkv.directory_state import DirectoryState
 from distkv.relay import PublishRelay, RelayedShard
@@ -31,14 +31,6 @@ def load_scale():
 
 scale = load_scale()
 NAMESPACE = "scaletest"
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 class Relayed:
@@ -85,7 +77,7 @@ def run(request):
     """A generator of 4 replicas on 3 fake shards, filled, then offering load for 6 s of its
     clock; its replicas publish to the shards themselves or through one relay."""
     shards = [FakeShard() for _ in range(3)]
-    clock = Clock()
+    clock = Clock(100.0)
     rates = scale.LoadRates(events_per_s=100, requests_per_s=1.0, query_keys=20, flush_s=2.0, held=256)
     relayed = Relayed(shards, clock) if request.param == "relayed" else None
     generator = scale.LoadGenerator(NAMESPACE, "node0", [10, 11, 12, 13], relayed.clients if relayed else shards, rates, clock=clock)
@@ -122,7 +114,7 @@ class SlowRegisters(FakeShard):
 
 
 def test_the_replicas_that_registered_heartbeat_while_the_others_of_the_process_register():
-    clock = Clock()
+    clock = Clock(100.0)
     shards = [SlowRegisters(clock, register_s=0.5) for _ in range(2)]
     rates = scale.LoadRates(events_per_s=100, requests_per_s=1.0, query_keys=20, flush_s=2.0, held=512)
     generator = scale.LoadGenerator(NAMESPACE, "node0", list(range(32)), shards, rates, clock=clock)
@@ -182,7 +174,7 @@ def test_a_request_is_one_query_call_to_the_shard_of_its_prefix_and_hits(run):
 def test_the_replicas_prefixes_spread_over_every_shard(num_shards):
     """As a fleet's do, whose keys are hashes: a shard that no prefix lands on leaves its share
     of the load to the others."""
-    clock = Clock()
+    clock = Clock(100.0)
     shards = [FakeShard() for _ in range(num_shards)]
     rates = scale.LoadRates(events_per_s=100, requests_per_s=0.2, query_keys=scale.MODEL_QUERY_KEYS, flush_s=2.0, held=2048)
     generator = scale.LoadGenerator(NAMESPACE, "node0", list(range(8)), shards, rates, clock=clock)
@@ -242,7 +234,7 @@ def test_figures_from_before_the_query_channel_are_refused_by_the_model():
 def test_requests_start_with_the_load_not_with_the_fill():
     """A long fill must not leave a backlog of requests that all go out at the first step."""
     shards = [FakeShard() for _ in range(2)]
-    clock = Clock()
+    clock = Clock(100.0)
     rates = scale.LoadRates(events_per_s=0, requests_per_s=1.0, query_keys=10, flush_s=2.0, held=64)
     generator = scale.LoadGenerator(NAMESPACE, "node0", [1, 2], shards, rates, clock=clock)
     generator.fill(clock())

@@ -5,6 +5,7 @@ import pickle
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from directory_fakes import Clock
 
 from distkv.directory import (
     Cursor,
@@ -23,14 +24,6 @@ def key(i: int) -> bytes:
 
 def info(replica_id: str, node_id: str = "node-1", num_rows: int = 16) -> ReplicaInfo:
     return ReplicaInfo(replica_id, node_id, f"pool-{replica_id}", num_rows, 1, 4096)
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 @pytest.fixture

@@ -7,6 +7,7 @@ import threading
 from concurrent.futures import Future
 
 import pytest
+from directory_fakes import Clock
 
 from distkv.query_channel import (
     MAX_REQUEST_BYTES,
@@ -75,14 +76,6 @@ class Shard:
         self.loop.call_soon_threadsafe(self.server.close)
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(WAIT_S)
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 @pytest.fixture
