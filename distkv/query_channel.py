@@ -50,8 +50,11 @@ CONNECT_TIMEOUT_S = 5.0
 # a channel whose oldest request has waited this long is closed, its requests failed: a
 # shard whose node vanished without closing the connection answers nothing
 STALE_ANSWER_S = 2.0
-# after a failed connection, queries wait this long before the next try (going through Ray meanwhile)
+# after a lost or failed connection, queries wait this long before the next try (going
+# through Ray meanwhile), twice as long after each failure in a row up to the most: a
+# channel a firewall blocks costs its shard an endpoint call a minute, not a second
 RECONNECT_DELAY_S = 1.0
+MAX_RECONNECT_DELAY_S = 60.0
 
 _LENGTH = struct.Struct("<I")
 _ID = struct.Struct("<I")
@@ -192,8 +195,9 @@ class QueryChannel:
     is not connected (`connected`), so that the caller sends the query another way.
     `connect()` starts connecting in the background: `endpoint()` is the Future of the
     shard's (host, port, token) (its Ray method), then the hello. A lost connection fails
-    every request in flight with ConnectionError; a failed one is tried again by the next
-    `connect()` after RECONNECT_DELAY_S. Thread-safe.
+    every request in flight with ConnectionError; the next `connect()` tries again after
+    RECONNECT_DELAY_S, doubled after each failed try in a row up to MAX_RECONNECT_DELAY_S.
+    Thread-safe.
     """
 
     def __init__(
@@ -208,6 +212,7 @@ class QueryChannel:
         self._next_id = 0
         self._connecting = False
         self._retry_at = 0.0
+        self._failed_tries = 0  # connection attempts failed since the last that succeeded
         self._closed = False
         self.last_error: Exception | None = None
 
@@ -297,8 +302,10 @@ class QueryChannel:
             with self._lock:
                 self._connecting = False
                 self.last_error = e
-                self._retry_at = self._clock() + RECONNECT_DELAY_S
-            logger.debug("query channel: connecting failed: %s", e)
+                self._failed_tries += 1
+                delay = min(MAX_RECONNECT_DELAY_S, RECONNECT_DELAY_S * 2 ** (self._failed_tries - 1))
+                self._retry_at = self._clock() + delay
+            logger.debug("query channel: connecting failed (%d in a row): %s", self._failed_tries, e)
             return
         with self._lock:
             self._connecting = False
@@ -306,6 +313,7 @@ class QueryChannel:
                 sock.close()
                 return
             self._socket = sock
+            self._failed_tries = 0
         self._read(sock)
 
     def _read(self, sock: socket.socket) -> None:

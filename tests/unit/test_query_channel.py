@@ -10,6 +10,7 @@ import pytest
 from directory_fakes import Clock
 
 from distkv.query_channel import (
+    MAX_RECONNECT_DELAY_S,
     MAX_REQUEST_BYTES,
     RECONNECT_DELAY_S,
     STALE_ANSWER_S,
@@ -270,3 +271,40 @@ def test_no_channel_where_ray_encrypts_its_own_traffic(monkeypatch, value, allow
     else:
         monkeypatch.setenv("RAY_USE_TLS", value)
     assert channel_allowed() is allowed
+
+
+def test_failed_connections_try_again_ever_later_and_a_success_starts_over(shard):
+    clock = Clock()
+    tries = []  # when the channel asked for the endpoint: one per try
+    endpoints = [shard.endpoint(token=bytes(32))]
+
+    def endpoint():
+        tries.append(clock.now)
+        return endpoints[0]()
+
+    channel = QueryChannel(endpoint, NAMESPACE, clock=clock)
+
+    def next_try_after() -> float:
+        """Seconds of the clock until `connect()` starts another try; waits for that try to end."""
+        at, before = clock.now, len(tries)
+        while True:
+            channel.connect()
+            if channel.connecting or len(tries) > before:  # started (and maybe ended already)
+                break
+            clock.now += RECONNECT_DELAY_S / 4
+        wait_until(lambda: not channel.connecting)
+        return clock.now - at
+
+    assert next_try_after() == 0  # the first try goes at once, and fails
+    delays = [next_try_after() for _ in range(8)]
+    assert delays == [RECONNECT_DELAY_S * 2**i for i in range(6)] + [MAX_RECONNECT_DELAY_S] * 2
+    assert not channel.connected
+
+    endpoints[0] = shard.endpoint()
+    assert next_try_after() == MAX_RECONNECT_DELAY_S
+    assert channel.connected
+    shard.hold.clear()
+    channel.query([b"k"])
+    shard.kill()  # in the middle of that query: a lost connection after a success waits the first delay again
+    wait_until(lambda: not channel.connected)
+    assert next_try_after() == RECONNECT_DELAY_S
