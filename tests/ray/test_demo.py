@@ -96,9 +96,12 @@ def test_every_field_is_there_and_the_figures_agree(document):
 
 def test_ctrl_c_cleans_up():
     before = demo_segments()
+    # Ctrl-C as at a terminal: a shell starts background commands with SIGINT ignored, and a
+    # test run started so would hand that on to the demo, which then never sees the signal
     demo = subprocess.Popen(
         [sys.executable, "-m", "distkv", "demo", *SMALL, "--nodes", "1", "--replicas", "1", "--requests", "2000"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     try:
         for line in demo.stdout:
