@@ -287,6 +287,7 @@ class QueryChannel:
         return [future for future, _ in pending.values()]
 
     def _run(self) -> None:
+        sock: socket.socket | None = None
         try:
             host, port, token = self._endpoint().result(timeout=CONNECT_TIMEOUT_S)
             sock = socket.create_connection((host, port), timeout=CONNECT_TIMEOUT_S)
@@ -295,10 +296,11 @@ class QueryChannel:
             sock.sendall(_frame(token + self._hello_namespace))
             welcome = _recv_frame(sock, 4096)
             if welcome[:1] != bytes([OK]):
-                sock.close()
                 raise RefusedError(welcome[1:].decode(errors="replace"))
             sock.settimeout(None)
         except Exception as e:
+            if sock is not None:
+                sock.close()
             with self._lock:
                 self._connecting = False
                 self.last_error = e

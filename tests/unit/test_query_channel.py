@@ -59,6 +59,10 @@ class Shard:
             raise ValueError("a bad key")
         return b"|".join(keys)
 
+    async def _close(self) -> None:
+        self.server.close()
+        await asyncio.sleep(0.01)  # the aborted connections' transports close on the loop's next turns
+
     def run(self, coroutine):
         return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result(WAIT_S)
 
@@ -74,9 +78,10 @@ class Shard:
 
     def stop(self) -> None:
         self.hold.set()
-        self.loop.call_soon_threadsafe(self.server.close)
+        self.run(self._close())
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(WAIT_S)
+        self.loop.close()
 
 
 @pytest.fixture
