@@ -30,7 +30,7 @@ from distkv.demo.runner import token_auth_on  # noqa: E402
 from distkv.directory import ReplicaInfo, pack, unpack  # noqa: E402
 from distkv.names import RAY_NAMESPACE, segment_name  # noqa: E402
 from ray_actors.directory import ShardActorClient, get_or_create_shards, kill_shards  # noqa: E402
-from scale import PAGE_BYTES, actor_processes, cpu_seconds, key  # noqa: E402  (bench/, this script's directory)
+from scale import PAGE_BYTES, actor_processes, connect_channels, cpu_seconds, key  # noqa: E402  (bench/, this script's directory)
 
 QUERY_KEYS = 90
 HELD_KEYS = 9000
@@ -83,11 +83,7 @@ def main() -> None:
         keys = [key(i) for i in range(HELD_KEYS)]
         ray.get(actor.register.remote(info, 1, pack([(k, row, 1) for row, k in enumerate(keys)]), namespace))
         client = ShardActorClient(actor, namespace)
-        client.query(keys[:1], namespace).result()  # through Ray; it starts connecting the channel
-        while client.channel.connecting:
-            time.sleep(0.01)
-        if not client.channel.connected:
-            raise RuntimeError(f"the query channel did not connect: {client.channel.last_error}")
+        connect_channels([client.channel])
         paths = {
             "channel": lambda ks: client.query(ks, namespace),
             "Ray call (baseline)": lambda ks: actor.query.remote(ks, namespace).future(),

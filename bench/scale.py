@@ -119,6 +119,7 @@ from distkv.directory import Changes, Cursor, DirectoryState, Publisher, Replica
 from distkv.directory_state import YOUNG_COLLECTION_KEYS, ShardCollections, defer_full_collections  # noqa: E402
 from distkv.errors import ErrorLog  # noqa: E402
 from distkv.names import segment_name  # noqa: E402
+from distkv.query_channel import QueryChannel  # noqa: E402
 from distkv.spec import ClusterOffloadingSpec  # noqa: E402
 from distkv.relay import PublishRelay, RelayedShard  # noqa: E402
 from ray_actors.directory import ShardActorClient, get_or_create_shards, kill_shards, shard_clients  # noqa: E402
@@ -578,17 +579,25 @@ def call_cpu(shard, processes: list[psutil.Process], calls: int = 2000) -> float
     return (sum(cpu_seconds(p) for p in processes) - before) / (calls // 100 * 100)
 
 
+def connect_channels(channels: Sequence[QueryChannel]) -> None:
+    """Connect shards' query channels, which a replica's first query to each would do (that
+    query going through Ray), and wait until they are: a run measures the steady state."""
+    for channel in channels:
+        channel.connect()
+    while any(channel.connecting for channel in channels):
+        time.sleep(0.01)
+    failed = [channel.last_error for channel in channels if not channel.connected]
+    if failed:
+        raise RuntimeError(f"{len(failed)} query channels did not connect: {failed[:3]}")
+
+
 def channel_query_cpu(shard, namespace: str, processes: list[psutil.Process], calls: int = 2000) -> float:
     """CPU seconds the shards' `processes` spend per query over `shard`'s query channel
     that asks almost nothing (one key no one holds): what the channel costs a shard for a
     query besides its keys, 100 queries in flight at a time."""
     client = ShardActorClient(shard, namespace)
     try:
-        client.query([key(0)], namespace).result()  # through Ray; it starts connecting the channel
-        while client.channel.connecting:
-            time.sleep(0.01)
-        if not client.channel.connected:
-            raise RuntimeError(f"the query channel did not connect: {client.channel.last_error}")
+        connect_channels([client.channel])
         before = sum(cpu_seconds(p) for p in processes)
         for _ in range(calls // 100):
             futures = [client.channel.query([key(0)]) for _ in range(100)]
@@ -896,22 +905,11 @@ class LoadProcess:
         processes may fill for longer than the shards wait for a silent replica."""
         self.generator.fill(time.monotonic())
         self._drain()
-        self._connect_channels()
+        connect_channels(self.channels)
         gc.collect()
         defer_full_collections()
         self._heartbeats = threading.Thread(target=self._heartbeat, name="heartbeats", daemon=True)
         self._heartbeats.start()
-
-    def _connect_channels(self) -> None:
-        """Connect the shards' query channels, which a replica's first query to each would
-        do (that query going through Ray): the run measures queries in the steady state."""
-        for channel in self.channels:
-            channel.connect()
-        while any(channel.connecting for channel in self.channels):
-            time.sleep(0.01)
-        failed = [channel.last_error for channel in self.channels if not channel.connected]
-        if failed:
-            raise RuntimeError(f"{len(failed)} query channels did not connect: {failed[:3]}")
 
     def _heartbeat(self) -> None:
         while not self._stop_heartbeats.wait(GENERATOR_TICK_S):
