@@ -70,6 +70,13 @@ class Promoter:
     opened, a fetch's result, the write here) fails the promotions of that step only,
     counted in `errors`; the thread goes on with the others. Only pools of cache
     `namespace` are read.
+
+    A promotion's reserved row is the Promoter's until its end is reported, and the
+    manager hands the row out again after that. So a transfer given up (past its deadline,
+    or failed) ends its promotions only once nothing of it can land any more
+    (`Transfer.settled`): a one-sided READ that NIXL could not abort keeps them, and their
+    rows, until it is let go. Meanwhile the manager answers them as misses once they are
+    overdue and keeps their rows retired.
     """
 
     # The thread wakes when a promotion is submitted or a transfer says it completed, and
@@ -96,6 +103,9 @@ class Promoter:
         self._submitted: queue.SimpleQueue[Promotion | object | None] = queue.SimpleQueue()
         self._finished: deque[tuple[OffloadKey, bool, bool]] = deque()
         self._in_flight: list[_InFlight] = []
+        # transfers given up whose bytes may still land, each with the error its
+        # promotions end with once they cannot
+        self._draining: list[tuple[_InFlight, str, str]] = []
         self.bytes_same_node = 0
         self.bytes_cross_node = 0
         # time spent promoting, summed over batches (concurrent fetches each count)
@@ -146,13 +156,15 @@ class Promoter:
             if batch is None:
                 for flight in self._in_flight:
                     flight.transfer.cancel()
-                    self._finish(flight.promotions, False, "cross_node")
+                for flight in [*self._in_flight, *(flight for flight, _, _ in self._draining)]:
+                    self._fail_unended(flight, None)
                 self.transport.close()
                 self._holder_pools.close()
                 return
             if batch:
                 self._start(batch)
             self._collect()
+            self._settle()
             if time.monotonic() >= self._forget_gone_at:
                 self._forget_gone_at = time.monotonic() + self.FORGET_GONE_S
                 with self._failing([], None, "while forgetting holders that left"):
@@ -267,14 +279,37 @@ class Promoter:
         now = time.monotonic()
         still = []
         for flight in self._in_flight:
-            with self._failing(flight.promotions, "cross_node", f"from {flight.holder.replica_id}"):
-                try:
-                    if not self._land(flight, now):
-                        still.append(flight)
-                except BaseException:
-                    flight.transfer.cancel()  # its rows are freed once it fails: nothing may land in them
-                    raise
+            where = f"from {flight.holder.replica_id}"
+            try:
+                if not self._land(flight, now):
+                    still.append(flight)
+            except Exception as e:
+                logger.warning("promotion(s) %s failed", where, exc_info=True)
+                self._give_up(flight, "promotion_error", f"{where}: {e!r}")
         self._in_flight = still
+
+    def _give_up(self, flight: _InFlight, error: str, detail: str) -> None:
+        """Cancel a transfer and fail its promotions that have not ended, counting `error`:
+        now if nothing of it can land any more, else once that is so (`_settle`)."""
+        flight.transfer.cancel()
+        if flight.transfer.settled():
+            self._fail_unended(flight, error, detail)
+        else:
+            logger.warning("a transfer %s could not be aborted: its rows stay reserved until it is", detail)
+            self._draining.append((flight, error, detail))
+
+    def _settle(self) -> None:
+        """End the promotions of given up transfers of which nothing can land any more."""
+        for entry in list(self._draining):
+            flight, error, detail = entry
+            if flight.transfer.settled():
+                self._draining.remove(entry)
+                self._fail_unended(flight, error, detail)
+
+    def _fail_unended(self, flight: _InFlight, error: str | None, detail: str = "") -> None:
+        unended = [p for p in flight.promotions if not p.ended]
+        if unended:
+            self._finish(unended, False, "cross_node", error, detail)
 
     def _land(self, flight: _InFlight, now: float) -> bool:
         """Seal what a transfer brought and end its promotions, once it is done or its
@@ -283,8 +318,7 @@ class Promoter:
         if not flight.transfer.done():
             if min(p.deadline for p in flight.promotions) > now:
                 return False
-            flight.transfer.cancel()
-            self._finish(flight.promotions, False, "cross_node", "promotion_timeout", where)
+            self._give_up(flight, "promotion_timeout", where)
             return True
         try:
             landed = flight.transfer.finish()

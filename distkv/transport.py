@@ -61,8 +61,15 @@ class Transfer(ABC):
 
     @abstractmethod
     def cancel(self) -> None:
-        """Give up (a deadline passed, or the transfer failed): once this returns, no byte
-        of it lands in the local rows any more. Never raises; calling it twice is fine."""
+        """Give up (a deadline passed, or the transfer failed); `finish` is not called. Its
+        bytes may still land in the local rows until `settled`. Never raises; calling it
+        twice is fine."""
+
+    def settled(self) -> bool:
+        """Whether no byte of a cancelled transfer lands in the local rows any more, so that
+        they may be used again: at once, but for a one-sided read that could not be
+        aborted yet. Never raises."""
+        return True
 
 
 class Transport(ABC):
@@ -264,7 +271,14 @@ class _NixlReads(Transfer):
 
     def cancel(self) -> None:
         self._transport.reads.cancel(self._queued)
+        self.settled()
+
+    def settled(self) -> bool:
+        # the scratch is written by the READs too: its slots go back only once they are over
+        if not self._queued.over:
+            return False
         self._give_back_scratch()
+        return True
 
     def _give_back_scratch(self) -> None:
         """Once only: a transfer cancelled after it finished must not hand its slots out twice."""
@@ -357,6 +371,9 @@ class _Timed(Transfer):
     def cancel(self) -> None:
         self._inner.cancel()
         self._owner._measured(self._node_id, self.transport, 0.0)
+
+    def settled(self) -> bool:
+        return self._inner.settled()
 
 
 class NodeTransports(Transport):
