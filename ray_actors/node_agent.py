@@ -8,6 +8,7 @@ import concurrent.futures
 import logging
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 
 import ray
@@ -20,6 +21,7 @@ from distkv.names import RAY_NAMESPACE, agent_name, check_pool_namespace
 from distkv.pool import PRUNE_INTERVAL_S, PoolLayout, PoolReaders, RowsRead, read_rows
 from distkv.relay import Handed, PublishRelay, RelayBatch
 from distkv.segments import reclaim_stale_segments
+from distkv.transport import HolderNodes
 from ray_actors.directory import find_shards
 
 logger = logging.getLogger(__name__)
@@ -173,13 +175,16 @@ def start_node_agent(node_id: str) -> ray.actor.ActorHandle:
 
 
 class AgentFetch:
-    """The Promoter's remote reads: a call to the holder node's NodeAgent."""
+    """The Promoter's remote reads (a `distkv.transport.RemoteFetch`): a call to the holder
+    node's NodeAgent, whose handle it keeps while the Directory lists a holder there."""
 
     def __init__(self, namespace: str) -> None:
         self._namespace = namespace
         self._agents: dict[str, ray.actor.ActorHandle] = {}
+        self._holder_nodes = HolderNodes()
 
     def __call__(self, info: ReplicaInfo, rows: list[int], keys: list[OffloadKey], generations: list[int]) -> "Future[RowsRead]":
+        self._holder_nodes.note(info)
         agent = self._agents.get(info.node_id)
         if agent is None:
             agent = ray.get_actor(agent_name(info.node_id), namespace=RAY_NAMESPACE)
@@ -188,6 +193,12 @@ class AgentFetch:
             info.pool_name, (info.num_rows, info.num_ranks, info.slot_bytes), rows, keys, generations,
             namespace=self._namespace,
         ).future()
+
+    def forget_gone(self, replica_info: Callable[[str], ReplicaInfo | None]) -> None:
+        """Drop the handles of nodes where the Directory lists none of the holders read."""
+        live = self._holder_nodes.live(replica_info)
+        for node_id in [node_id for node_id in self._agents if node_id not in live]:
+            del self._agents[node_id]
 
 
 def agent_relay(agent: ray.actor.ActorHandle, namespace: str, num_shards: int) -> RelayBatch:
