@@ -8,6 +8,7 @@ derive the replica's plan (ReplicaPlan) from a KVIdentity filled from their conf
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -136,26 +137,44 @@ def join_cluster(plan: ReplicaPlan, pool: HostPool, local: LocalOffloadingManage
         )
     import ray
 
-    from distkv import metrics
-    from distkv.cluster import ClusterOffloadingManager
-    from distkv.directory import DirectoryLink, ReplicaInfo
     from distkv.names import RAY_NAMESPACE
-    from distkv.promotion import Promoter
     from distkv.transport import ObjectStoreTransport
-    from ray_actors.directory import shard_clients
-    from ray_actors.node_agent import AgentFetch, agent_relay, start_node_agent
+    from ray_actors.node_agent import AgentFetch, start_node_agent
 
     config = plan.config
     transport = node_transports(config.transport, pool, ObjectStoreTransport(pool, AgentFetch(plan.namespace)))
-    try:
+    # what is started, closed (the last first) should a later step fail: else the NIXL
+    # agent and the threads of the transports, the link and the Promoter outlive the failure
+    with contextlib.ExitStack() as started:
+        started.callback(transport.close)
         if not ray.is_initialized():
             ray.init(address=config.ray_address, namespace=RAY_NAMESPACE)
         node_id = ray.get_runtime_context().get_node_id()
         agent = start_node_agent(node_id)
         ray.get(agent.node_id.remote())
-    except BaseException:
-        transport.close()
-        raise
+        manager = _join(plan, pool, local, transport, node_id, agent, started)
+        started.pop_all()
+        return manager
+
+
+def _join(
+    plan: ReplicaPlan,
+    pool: HostPool,
+    local: LocalOffloadingManager,
+    transport: "NodeTransports",
+    node_id: str,
+    agent: Any,
+    started: contextlib.ExitStack,
+) -> "ClusterOffloadingManager":
+    """join_cluster's steps once this node's agent runs: what they start goes on `started`."""
+    from distkv import metrics
+    from distkv.cluster import ClusterOffloadingManager
+    from distkv.directory import DirectoryLink, ReplicaInfo
+    from distkv.promotion import Promoter
+    from ray_actors.directory import shard_clients
+    from ray_actors.node_agent import agent_relay
+
+    config = plan.config
     layout = plan.layout
     info = ReplicaInfo(
         plan.replica_id,
@@ -170,6 +189,7 @@ def join_cluster(plan: ReplicaPlan, pool: HostPool, local: LocalOffloadingManage
     relay = agent_relay(agent, plan.namespace, len(shards))
     link = DirectoryLink(plan.namespace, info, shards, joining_view(config.directory_view, shards[0].actor), relay)
     link.start()
+    started.callback(link.close)
     if not link.wait_synced(DIRECTORY_SYNC_TIMEOUT_S):
         logger.warning(
             "distkv: replica %s starts without the Directory's view (not every shard answered within %s s); "
@@ -177,6 +197,7 @@ def join_cluster(plan: ReplicaPlan, pool: HostPool, local: LocalOffloadingManage
             plan.replica_id, DIRECTORY_SYNC_TIMEOUT_S,
         )
     promoter = Promoter(pool, node_id, link.replica, transport, namespace=plan.namespace)
+    started.callback(promoter.close)  # it closes the transport too (closing it again is harmless)
     manager = ClusterOffloadingManager(
         local,
         link,
