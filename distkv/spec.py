@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import uuid
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -31,6 +32,19 @@ logger = logging.getLogger(__name__)
 # long enough for a fresh cluster's shards to start, short enough that a Directory that is
 # down does not keep the replica from serving (its view then fills in the background).
 DIRECTORY_SYNC_TIMEOUT_S = 10.0
+
+
+def engine_id_of(vllm_config: Any) -> str:
+    """The replica's `kv_transfer_config.engine_id`; where it has none, a fresh one, written
+    back to the config as vLLM's KVTransferConfig makes one: every process of the replica
+    handed this config (its scheduler, its workers) meets in the same pool, and replicas
+    of other nodes never share an id (a fixed default made them one replica in the
+    Directory, each one's holders replacing the other's)."""
+    kv_transfer_config = vllm_config.kv_transfer_config
+    engine_id = getattr(kv_transfer_config, "engine_id", None)
+    if engine_id is None:
+        engine_id = kv_transfer_config.engine_id = uuid.uuid4().hex
+    return str(engine_id)
 
 
 def _attr(obj: Any, path: str, default: Any = None) -> Any:
@@ -242,7 +256,7 @@ class LocalOffloadingSpec(OffloadingSpec):
             ),
             self.block_bytes_per_rank,
             self.num_ranks,
-            str(_attr(vllm_config, "kv_transfer_config.engine_id", "engine")),
+            engine_id_of(vllm_config),
         )
         self.config = self.plan.config
         self.layout = self.plan.layout
