@@ -56,8 +56,11 @@ HEADER_BYTES = 128
 # cudaHostRegister fails on very large ranges; pin in pieces of at most this size.
 MAX_PIN_BYTES = 64 << 30
 
-# In the superblock after the layout: a byte per rank, set by that rank's worker once it
+# In the superblock after the layout: the next generation never handed out in this segment
+# (HostPool.reserve_generations), then a byte per rank, set by that rank's worker once it
 # uses the segment (HostPool.mark_attached).
+_GENERATIONS_OFFSET = 48
+_GENERATIONS = struct.Struct("<Q")
 _ATTACHED_OFFSET = 64
 MAX_RANKS = PAGE_BYTES - _ATTACHED_OFFSET
 # header layout, as uint64 words: generation, checksum, nbytes, key_len, filled; key bytes follow
@@ -340,6 +343,26 @@ class HostPool:
                 return False
             raise
         return True
+
+    def reserve_generations(self, n: int) -> int:
+        """The first of `n` consecutive generations that no process has reserved in this
+        segment before, whatever the clocks did: the counter lives in the superblock, so a
+        scheduler that attaches again (restarted, its workers still holding the segment)
+        goes on past every generation its predecessor handed out, sealed or still being
+        written, and no generation is ever sealed twice in a slot (the slot protocol's
+        premise). A new segment starts at 1 (0 marks a slot being written)."""
+        self._check_member("reserve_generations")
+        if n < 1:
+            raise ValueError(f"reserve_generations: n={n} must be positive")
+        span = (_GENERATIONS_OFFSET, _GENERATIONS.size)
+        fcntl.fcntl(self._fd, fcntl.F_OFD_SETLKW, _range_lock(fcntl.F_WRLCK, *span))
+        try:
+            (stored,) = _GENERATIONS.unpack(os.pread(self._fd, _GENERATIONS.size, _GENERATIONS_OFFSET))
+            first = max(stored, 1)
+            os.pwrite(self._fd, _GENERATIONS.pack(first + n), _GENERATIONS_OFFSET)
+        finally:
+            fcntl.fcntl(self._fd, fcntl.F_OFD_SETLK, _range_lock(fcntl.F_UNLCK, *span))
+        return first
 
     # ---- headers -------------------------------------------------------------------
 

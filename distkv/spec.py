@@ -273,7 +273,9 @@ class LocalOffloadingSpec(OffloadingSpec):
         return self._pool
 
     def get_manager(self) -> LocalOffloadingManager:
-        return LocalOffloadingManager(self.layout.num_rows, policy=self.config.eviction_policy)
+        return LocalOffloadingManager(
+            self.layout.num_rows, policy=self.config.eviction_policy, generations=self.pool.reserve_generations
+        )
 
     def get_handlers(
         self, kv_caches: CanonicalKVCaches

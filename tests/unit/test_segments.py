@@ -199,7 +199,7 @@ def test_another_replicas_pool_is_mapped_read_only(name):
                 reader.payload[0, 1, 0] = 0
             with pytest.raises(ValueError, match="read-only"):
                 reader.begin_write(0, np.array([1]))
-            for refused in (reader.claim, lambda: reader.mark_attached(0)):
+            for refused in (reader.claim, lambda: reader.mark_attached(0), lambda: reader.reserve_generations(1)):
                 with pytest.raises(ValueError, match="mapped read-only"):
                     refused()
             assert owner.verify(0, 1, KEY, 5)  # nothing changed
