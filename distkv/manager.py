@@ -67,8 +67,9 @@ class LocalOffloadingManager(OffloadingManager):
     Every stored block gets a fresh generation, reserved from the pool's segment
     (`generations`: HostPool.reserve_generations), so a row's header never shows a
     generation that an earlier block sealed, of this process or of one that had the
-    segment before it, whatever the clocks did. A block is evictable only while it is
-    ready and not pinned by a load; prepare_store's `protect_from` spares more.
+    segment before it, whatever the clocks did (a manager with no segment behind it,
+    for benchmarks and tests, counts from the wall clock). A block is evictable only
+    while it is ready and not pinned by a load; prepare_store's `protect_from` spares more.
 
     reset_cache drops every block at once, but a row that a job still reads or writes (a
     load's pin, a store in flight) is *retired*, not freed: it returns to the free list
@@ -83,9 +84,6 @@ class LocalOffloadingManager(OffloadingManager):
     def __init__(
         self, num_rows: int, policy: str = "lru", medium: str = "CPU", generations: Callable[[int], int] | None = None
     ) -> None:
-        """generations(n): the first of n generations never handed out before in the
-        pool's segment (HostPool.reserve_generations). None only for a manager with no
-        segment behind it (benchmarks, tests): a count of its own from the wall clock."""
         if not isinstance(num_rows, int) or num_rows < 1:
             raise ValueError(f"num_rows={num_rows!r}: the pool needs at least one row")
         self._num_rows = num_rows
@@ -262,8 +260,7 @@ class LocalOffloadingManager(OffloadingManager):
         num_new = len(keys_to_store)
         if not num_new:
             return PrepareStoreOutput([], PoolLoadStoreSpec([], [], []), [])
-        if self._next_generation + num_new > self._reserved_until:
-            # before anything changes: should the pool refuse, this call changed nothing
+        if self._next_generation + num_new > self._reserved_until:  # before anything changes
             count = max(num_new, GENERATIONS_RESERVED)
             self._next_generation = self._reserve_generations(count)
             self._reserved_until = self._next_generation + count
