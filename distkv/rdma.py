@@ -17,6 +17,7 @@ import os
 import secrets
 import sys
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -250,10 +251,11 @@ class ReadQueue:
 
     A READ is over only once NIXL let its handle go: a READ it could not abort (cancelled,
     or failed with parts of it still moving) stays the queue's, draining, and the thread
-    tries to let it go at every poll; until then nothing more is posted or said of it.
+    offers it back every RELEASE_RETRY_S; until then nothing more is posted or said of it.
     """
 
     POLL_S = 0.0002
+    RELEASE_RETRY_S = 0.01
 
     def __init__(self, agent: NixlAgent) -> None:
         self._agent = agent
@@ -262,6 +264,7 @@ class ReadQueue:
         self._queued: deque[QueuedRead] = deque()
         self._in_flight: list[QueuedRead] = []
         self._draining: list[QueuedRead] = []
+        self._release_at = 0.0  # when the draining READs are offered back next
         self._closed = False
         self._thread = threading.Thread(target=self._run, name="distkv-nixl-reads", daemon=True)
         self._thread.start()
@@ -322,7 +325,7 @@ class ReadQueue:
                 if posting is not None:
                     posting.state = QueuedRead.POSTING
                 else:
-                    self._cond.wait(self.POLL_S)
+                    self._cond.wait(self.POLL_S if self._in_flight else self.RELEASE_RETRY_S)
             if posting is not None:
                 self._post(posting)
             with self._cond:
@@ -331,10 +334,12 @@ class ReadQueue:
                     if state != "pending":
                         self._in_flight.remove(queued)
                         self._let_go(queued, state == "done")
-                for queued in list(self._draining):
-                    if queued.read.release():
-                        self._draining.remove(queued)
-                        self._over(queued)
+                if self._draining and time.monotonic() >= self._release_at:
+                    self._release_at = time.monotonic() + self.RELEASE_RETRY_S
+                    for queued in list(self._draining):
+                        if queued.read.release():
+                            self._draining.remove(queued)
+                            self._over(queued)
 
     def _let_go(self, queued: QueuedRead, outcome: bool | None) -> None:
         """queued's READ ended (outcome: whether it completed) or was cancelled (None):
