@@ -343,7 +343,7 @@ class OffloadingSpec(ABC):
         gpu_block_sizes: Sequence[int],
         group_page_bytes: Sequence[int],
         *,
-        engine_id: str = "engine-0",
+        engine_id: str | None = None,
         tensor_parallel_size: int = 1,
         rank: int = 0,
         **config_attrs: Any,
@@ -351,8 +351,9 @@ class OffloadingSpec(ABC):
         """Build the spec without vLLM.
 
         gpu_block_sizes: tokens per GPU block, one per KV group. group_page_bytes: bytes of
-        one GPU block of each group on one worker, all layers together. `config_attrs`
-        become attributes of the stand-in vllm_config (model, dtype, ...).
+        one GPU block of each group on one worker, all layers together. engine_id: the
+        replica's, None for a fresh one (the spec makes it). `config_attrs` become
+        attributes of the stand-in vllm_config (model, dtype, ...).
         """
         if len(group_page_bytes) != len(gpu_block_sizes):
             raise ValueError(

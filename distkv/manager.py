@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Collection, Container, Iterable, Mapping
+from collections.abc import Callable, Collection, Container, Iterable, Mapping
 
 from distkv.abstract import (
     OffloadingEvent,
@@ -18,6 +18,9 @@ from distkv.pool import MAX_KEY_BYTES, PoolLoadStoreSpec
 
 # A key is a block hash (at least one byte) and a 4-byte group index, and must fit a row header.
 MIN_KEY_BYTES = 5
+# Generations reserved from the pool at once (HostPool.reserve_generations: a few system
+# calls), so that prepare_store reserves once per this many blocks stored.
+GENERATIONS_RESERVED = 1 << 16
 
 
 def key_problem(key: object) -> str | None:
@@ -61,10 +64,12 @@ class _Block:
 class LocalOffloadingManager(OffloadingManager):
     """Keeps up to `num_rows` blocks in the rows of one pool, evicting by `policy`.
 
-    Every stored block gets a fresh generation from a counter that starts at the wall
-    clock in nanoseconds, so a row's header never shows a generation that an earlier
-    process (or an earlier block of this one) sealed. A block is evictable only while
-    it is ready and not pinned by a load; prepare_store's `protect_from` spares more.
+    Every stored block gets a fresh generation, reserved from the pool's segment
+    (`generations`: HostPool.reserve_generations), so a row's header never shows a
+    generation that an earlier block sealed, of this process or of one that had the
+    segment before it, whatever the clocks did (a manager with no segment behind it,
+    for benchmarks and tests, counts from the wall clock). A block is evictable only
+    while it is ready and not pinned by a load; prepare_store's `protect_from` spares more.
 
     reset_cache drops every block at once, but a row that a job still reads or writes (a
     load's pin, a store in flight) is *retired*, not freed: it returns to the free list
@@ -76,7 +81,9 @@ class LocalOffloadingManager(OffloadingManager):
     newer block of the same key.
     """
 
-    def __init__(self, num_rows: int, policy: str = "lru", medium: str = "CPU") -> None:
+    def __init__(
+        self, num_rows: int, policy: str = "lru", medium: str = "CPU", generations: Callable[[int], int] | None = None
+    ) -> None:
         if not isinstance(num_rows, int) or num_rows < 1:
             raise ValueError(f"num_rows={num_rows!r}: the pool needs at least one row")
         self._num_rows = num_rows
@@ -87,7 +94,10 @@ class LocalOffloadingManager(OffloadingManager):
         self._free_rows = list(range(num_rows - 1, -1, -1))
         # ready blocks no load pins
         self._num_evictable = 0
-        self._next_generation = time.time_ns()
+        self._reserve_generations = generations
+        # [_next_generation, _reserved_until) are this manager's to hand out
+        self._next_generation = 1 if generations is not None else time.time_ns()
+        self._reserved_until = 1 if generations is not None else math.inf
         self._events: list[OffloadingEvent] = []
         # Blocks reset_cache or retire dropped while a job still used them (refs as in
         # _blocks: -1 a store in flight, else its loads), keeping their rows until it ends.
@@ -250,6 +260,10 @@ class LocalOffloadingManager(OffloadingManager):
         num_new = len(keys_to_store)
         if not num_new:
             return PrepareStoreOutput([], PoolLoadStoreSpec([], [], []), [])
+        if self._next_generation + num_new > self._reserved_until:  # before anything changes
+            count = max(num_new, GENERATIONS_RESERVED)
+            self._next_generation = self._reserve_generations(count)
+            self._reserved_until = self._next_generation + count
         free_rows = self._free_rows
         num_to_evict = num_new - len(free_rows)
         evicted: list[OffloadKey] = []

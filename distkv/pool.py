@@ -15,9 +15,8 @@ written) that any reader can validate. Writers zero the generation before touchi
 last; a reader that sees the generation it expects before and after its copy, and a
 matching checksum, has read the block that was sealed, never a torn or reused one.
 
-Liveness is an flock: every process using a segment holds a shared lock on it, so a
-segment nobody can lock exclusively belongs to someone alive, and one that can be
-locked was left by killed processes and is reclaimed.
+The file itself (created and opened ours alone, locked by its members, removed by the
+last of them or by a reclaim) is `distkv.segments`' business.
 """
 
 from __future__ import annotations
@@ -39,19 +38,29 @@ import numpy as np
 import xxhash
 
 from distkv.abstract import BlockIDsLoadStoreSpec, OffloadKey
-from distkv.names import SEGMENT_PREFIX
+from distkv.segments import (
+    SHM_DIR,
+    UntrustedSegment,
+    create_segment,
+    lock_member,
+    open_segment,
+    reclaim_stale_segments,
+    release_member,
+)
 
 logger = logging.getLogger(__name__)
 
 PAGE_BYTES = mmap.PAGESIZE
-SHM_DIR = "/dev/shm"
 MAGIC = b"DISTKV\x00\x02"
 HEADER_BYTES = 128
 # cudaHostRegister fails on very large ranges; pin in pieces of at most this size.
 MAX_PIN_BYTES = 64 << 30
 
-# In the superblock after the layout: a byte per rank, set by that rank's worker once it
+# In the superblock after the layout: the next generation never handed out in this segment
+# (HostPool.reserve_generations), then a byte per rank, set by that rank's worker once it
 # uses the segment (HostPool.mark_attached).
+_GENERATIONS_OFFSET = 48
+_GENERATIONS = struct.Struct("<Q")
 _ATTACHED_OFFSET = 64
 MAX_RANKS = PAGE_BYTES - _ATTACHED_OFFSET
 # header layout, as uint64 words: generation, checksum, nbytes, key_len, filled; key bytes follow
@@ -223,6 +232,11 @@ class PoolLayout:
         return cls(int(rows), int(ranks), int(slot))
 
 
+def _range_lock(kind: int, start: int, length: int) -> bytes:
+    """A `struct flock` for an OFD lock of `kind` on [start, start + length) of a file."""
+    return struct.pack("hhqqi", kind, os.SEEK_SET, start, length, 0)
+
+
 def pin_ranges(offset: int, num_rows: int, slot_bytes: int, max_piece: int = MAX_PIN_BYTES) -> list[tuple[int, int]]:
     """(offset, size) pieces of at most max_piece covering num_rows slots from offset.
 
@@ -235,54 +249,21 @@ def pin_ranges(offset: int, num_rows: int, slot_bytes: int, max_piece: int = MAX
     ]
 
 
-def reclaim_stale_segments(shm_dir: str = SHM_DIR) -> list[str]:
-    """Remove distkv segments that no live process holds; returns their names."""
-    reclaimed = []
-    try:
-        names = [n for n in os.listdir(shm_dir) if n.startswith(SEGMENT_PREFIX)]
-    except FileNotFoundError:
-        return reclaimed
-    for name in names:
-        path = os.path.join(shm_dir, name)
-        try:
-            fd = os.open(path, os.O_RDWR)
-        except OSError:
-            continue  # gone already, or another user's
-        try:
-            if os.fstat(fd).st_uid != os.getuid():
-                continue
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            os.close(fd)
-            continue  # held by a live process
-        try:
-            # Attachers re-check the inode after locking, so unlinking under our lock is safe.
-            if os.stat(path).st_ino == os.fstat(fd).st_ino:
-                os.unlink(path)
-                reclaimed.append(name)
-        except FileNotFoundError:
-            pass
-        finally:
-            os.close(fd)
-    if reclaimed:
-        logger.info("reclaimed %d stale shared-memory segment(s): %s", len(reclaimed), reclaimed)
-    return reclaimed
-
-
 class HostPool:
     """A replica's pool segment, created by the first process that opens it.
 
     Every process of the replica (the scheduler's manager, each worker) opens it with
-    the same name and layout. The last one to close it removes it.
+    the same name and layout. The last one to close it removes it. A segment is opened
+    only if it is this user's alone (`distkv.segments`): else UntrustedSegment.
     """
 
     def __init__(self, name: str, layout: PoolLayout, shm_dir: str = SHM_DIR, create: bool = True, member: bool = True):
         """Open the segment `name`, creating it if absent and `create` (else FileNotFoundError).
 
-        member=False opens another replica's segment only to read it: the mapping holds
-        no lock, so the segment's liveness stays its replica's business (its last process
-        removes it, or a reclaim does, while the mapping stays readable), and closing the
-        mapping never removes the segment.
+        member=False opens another replica's segment only to read it, and maps it
+        read-only: the mapping holds no lock, so the segment's liveness stays its
+        replica's business (its last process removes it, or a reclaim does, while the
+        mapping stays readable), and closing the mapping never removes the segment.
         """
         if create and not member:
             raise ValueError("HostPool: only a member of the replica creates its segment")
@@ -291,14 +272,16 @@ class HostPool:
         self.path = os.path.join(shm_dir, name)
         self._shm_dir = shm_dir
         self._member = member
-        self._fd = self._open(create)
-        if not member:
-            fcntl.flock(self._fd, fcntl.LOCK_UN)
+        self._fd = self._open(create) if member else open_segment(self.path, writable=False)
         try:
             self._check_superblock()
-            self._mmap = mmap.mmap(self._fd, layout.total_bytes)
+            access = mmap.ACCESS_WRITE if member else mmap.ACCESS_READ
+            self._mmap = mmap.mmap(self._fd, layout.total_bytes, access=access)
         except BaseException:
-            os.close(self._fd)
+            if member:
+                release_member(self._fd, self.path)  # the last to let go removes it
+            else:
+                os.close(self._fd)
             raise
         buf = np.frombuffer(self._mmap, dtype=np.uint8)
         self.address = buf.ctypes.data  # of the segment in this process, for one-sided reads
@@ -312,69 +295,23 @@ class HostPool:
     # ---- opening -------------------------------------------------------------------
 
     def _open(self, create: bool) -> int:
+        """A member's descriptor of the segment, locked: attached, or created if absent."""
         for _ in range(5):
-            fd = self._attach()
-            if fd is None:
-                if not create:
-                    raise FileNotFoundError(f"no pool segment {self.path}")
-                reclaim_stale_segments(self._shm_dir)
-                fd = self._create()
+            try:
+                fd = open_segment(self.path, writable=True)
+            except FileNotFoundError:
+                fd = None
+            if fd is not None:
+                if lock_member(fd, self.path):
+                    return fd
+                continue  # reclaimed between our open and our lock
+            if not create:
+                raise FileNotFoundError(f"no pool segment {self.path}")
+            reclaim_stale_segments(self._shm_dir)
+            fd = create_segment(self.path, self.layout.total_bytes, self.layout.pack())
             if fd is not None:
                 return fd
         raise RuntimeError(f"could not open pool segment {self.path}: it kept being replaced")
-
-    def _attach(self) -> int | None:
-        try:
-            fd = os.open(self.path, os.O_RDWR)
-        except FileNotFoundError:
-            return None
-        fcntl.flock(fd, fcntl.LOCK_SH)
-        try:
-            if os.stat(self.path).st_ino == os.fstat(fd).st_ino:
-                return fd
-        except FileNotFoundError:
-            pass
-        os.close(fd)  # reclaimed between our open and our lock
-        return None
-
-    def _create(self) -> int | None:
-        size = self.layout.total_bytes
-        free = os.statvfs(self._shm_dir)
-        if free.f_bavail * free.f_frsize < size:
-            raise ValueError(
-                f"pool needs {size} bytes of shared memory but {self._shm_dir} has "
-                f"{free.f_bavail * free.f_frsize} free: lower cpu_bytes_to_use or enlarge "
-                f"{self._shm_dir} (docker: --shm-size)"
-            )
-        tmp = f"{self.path}.{os.getpid()}.tmp"
-        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_SH)
-            # Reserve the pages now: a later page fault on a full tmpfs would be a SIGBUS.
-            os.posix_fallocate(fd, 0, size)
-            os.pwrite(fd, self.layout.pack(), 0)
-            try:
-                os.link(tmp, self.path)  # publish atomically, already initialized
-            except FileExistsError:
-                os.close(fd)
-                return None  # another process of the replica won the race: attach to it
-            except FileNotFoundError:
-                os.close(fd)
-                return None  # reclaimed before we locked it: start over
-            return fd
-        except OSError as e:
-            os.close(fd)
-            if e.errno == errno.ENOSPC:
-                raise ValueError(
-                    f"{self._shm_dir} ran out of space reserving {size} bytes for the pool: "
-                    "lower cpu_bytes_to_use or enlarge it"
-                ) from e
-            raise
-        finally:
-            try:
-                os.unlink(tmp)
-            except FileNotFoundError:
-                pass
 
     def _check_superblock(self) -> None:
         found = PoolLayout.unpack(os.pread(self._fd, PAGE_BYTES, 0))
@@ -383,6 +320,10 @@ class HostPool:
                 f"pool segment {self.path} has layout {found}, this process expects "
                 f"{self.layout}: every process of a replica must use the same configuration"
             )
+
+    def _check_member(self, what: str) -> None:
+        if not self._member:
+            raise ValueError(f"{what}: {self.path} is mapped read-only, as another replica's pool")
 
     def claim(self) -> bool:
         """Take the replica's owner lock on the segment, held until this mapping closes:
@@ -394,14 +335,34 @@ class HostPool:
         and the kernel drops it with a killed owner, so a replica restarted under its
         name claims it again.
         """
-        lock = struct.pack("hhqqi", fcntl.F_WRLCK, os.SEEK_SET, 0, 1, 0)
+        self._check_member("claim")
         try:
-            fcntl.fcntl(self._fd, fcntl.F_OFD_SETLK, lock)
+            fcntl.fcntl(self._fd, fcntl.F_OFD_SETLK, _range_lock(fcntl.F_WRLCK, 0, 1))
         except OSError as e:
             if e.errno in (errno.EAGAIN, errno.EACCES):
                 return False
             raise
         return True
+
+    def reserve_generations(self, n: int) -> int:
+        """The first of `n` consecutive generations that no process has reserved in this
+        segment before, whatever the clocks did: the counter lives in the superblock, so a
+        scheduler that attaches again (restarted, its workers still holding the segment)
+        goes on past every generation its predecessor handed out, sealed or still being
+        written, and no generation is ever sealed twice in a slot (the slot protocol's
+        premise). A new segment starts at 1 (0 marks a slot being written)."""
+        self._check_member("reserve_generations")
+        if n < 1:
+            raise ValueError(f"reserve_generations: n={n} must be positive")
+        span = (_GENERATIONS_OFFSET, _GENERATIONS.size)
+        fcntl.fcntl(self._fd, fcntl.F_OFD_SETLKW, _range_lock(fcntl.F_WRLCK, *span))
+        try:
+            (stored,) = _GENERATIONS.unpack(os.pread(self._fd, _GENERATIONS.size, _GENERATIONS_OFFSET))
+            first = max(stored, 1)
+            os.pwrite(self._fd, _GENERATIONS.pack(first + n), _GENERATIONS_OFFSET)
+        finally:
+            fcntl.fcntl(self._fd, fcntl.F_OFD_SETLK, _range_lock(fcntl.F_UNLCK, *span))
+        return first
 
     # ---- headers -------------------------------------------------------------------
 
@@ -488,6 +449,7 @@ class HostPool:
     def mark_attached(self, rank: int) -> None:
         """Record that worker `rank` of the replica uses this segment: a worker on another
         node marks the segment of that node, which `attached_ranks` here never shows."""
+        self._check_member("mark_attached")
         if not 0 <= rank < self.layout.num_ranks:
             raise ValueError(f"rank {rank} out of range: the pool has {self.layout.num_ranks} ranks")
         os.pwrite(self._fd, b"\x01", _ATTACHED_OFFSET + rank)
@@ -512,29 +474,19 @@ class HostPool:
     # ---- closing -------------------------------------------------------------------
 
     def close(self) -> None:
-        """Detach; the last process attached removes the segment."""
+        """Detach; the last member attached removes the segment."""
         if self._closed:
             return
         self._closed = True
         del self._headers, self._words, self.payload
-        last = False
-        if self._member:
-            try:
-                fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                last = True
-            except OSError:
-                pass
-        if last:
-            try:
-                if os.stat(self.path).st_ino == os.fstat(self._fd).st_ino:
-                    os.unlink(self.path)
-            except FileNotFoundError:
-                pass
         try:
             self._mmap.close()
         except BufferError:
             pass  # views handed out (torch tensors) still map it; the GC unmaps it later
-        os.close(self._fd)
+        if self._member:
+            release_member(self._fd, self.path)
+        else:
+            os.close(self._fd)
 
     def __enter__(self) -> "HostPool":
         return self
@@ -618,7 +570,7 @@ class PoolReaders:
     @contextlib.contextmanager
     def reading(self, name: str, layout: PoolLayout) -> Iterator[HostPool | None]:
         """The pool `name`, mapped, for the duration of the block; None if there is no
-        such segment or it has another layout."""
+        such segment, it has another layout or it is not this user's alone."""
         entry = self._acquire(name, layout)
         if entry is None:
             yield None
@@ -642,6 +594,9 @@ class PoolReaders:
                 try:
                     pool = HostPool(name, layout, create=False, member=False)
                 except (FileNotFoundError, ValueError):
+                    return None
+                except UntrustedSegment as e:
+                    logger.warning("distkv: not reading pool %s: %s", name, e)
                     return None
                 entry = self._open[name] = _Reading(pool)
             entry.users += 1

@@ -60,6 +60,30 @@ class _InFlight:
     holder: ReplicaInfo
     promotions: list[Promotion]
     started: float  # time.perf_counter() when it started
+    # (error, detail) its promotions end with once given up: it stays in flight until
+    # nothing of it can land any more (`Transfer.settled`), their rows the Promoter's
+    given_up: tuple[str, str] | None = None
+
+
+def _write_local(pool: HostPool, p: Promotion, read_slot: Callable[[int, np.ndarray], Sealed | None]) -> bool:
+    """Fill every rank's slot of p's reserved row of `pool` through read_slot, then seal it."""
+    rows = np.array([p.row])
+    gens = np.array([p.generation], dtype=np.uint64)
+    for rank in range(pool.layout.num_ranks):
+        pool.begin_write(rank, rows)
+        read = read_slot(rank, pool.payload[rank, p.row])
+        if read is None:
+            return False
+        pool.seal(rank, rows, [p.key], gens, read.nbytes, [read.checksum], [read.filled])
+    return True
+
+
+def _seal(pool: HostPool, p: Promotion, metas: list[Sealed]) -> None:
+    """Seal every rank's slot of p's reserved row of `pool`, whose bytes landed and checked out."""
+    rows = np.array([p.row])
+    gens = np.array([p.generation], dtype=np.uint64)
+    for rank, meta in enumerate(metas):
+        pool.seal(rank, rows, [p.key], gens, meta.nbytes, [meta.checksum], [meta.filled])
 
 
 class Promoter:
@@ -69,7 +93,9 @@ class Promoter:
     or at `close`. Whatever one promotion's step raises (the holder's pool cannot be
     opened, a fetch's result, the write here) fails the promotions of that step only,
     counted in `errors`; the thread goes on with the others. Only pools of cache
-    `namespace` are read.
+    `namespace` are read. A reserved row is the Promoter's until its promotion ends: one
+    whose transfer was given up ends once nothing of it can land (a READ NIXL could not
+    abort may, later), and the manager meanwhile answers it as a miss once overdue.
     """
 
     # The thread wakes when a promotion is submitted or a transfer says it completed, and
@@ -146,7 +172,7 @@ class Promoter:
             if batch is None:
                 for flight in self._in_flight:
                     flight.transfer.cancel()
-                    self._finish(flight.promotions, False, "cross_node")
+                    self._fail_unended(flight, None)
                 self.transport.close()
                 self._holder_pools.close()
                 return
@@ -249,8 +275,8 @@ class Promoter:
                 for p in promotions:
                     with self._failing([p], "same_node", f"from {info.replica_id}"):
                         held = self._held_row(p, info)
-                        ok = self._write_local(
-                            p, lambda rank, out: holder_pool.read(rank, held.row, p.key, held.generation, out)
+                        ok = _write_local(
+                            self._pool, p, lambda rank, out: holder_pool.read(rank, held.row, p.key, held.generation, out)
                         )
                         if ok:
                             self.bytes_same_node += self._pool.layout.num_ranks * self._pool.layout.slot_bytes
@@ -267,25 +293,45 @@ class Promoter:
         now = time.monotonic()
         still = []
         for flight in self._in_flight:
-            with self._failing(flight.promotions, "cross_node", f"from {flight.holder.replica_id}"):
-                try:
-                    if not self._land(flight, now):
-                        still.append(flight)
-                except BaseException:
-                    flight.transfer.cancel()  # its rows are freed once it fails: nothing may land in them
-                    raise
+            where = f"from {flight.holder.replica_id}"
+            try:
+                if not self._land(flight, now):
+                    still.append(flight)
+            except Exception as e:
+                logger.warning("promotion(s) %s failed", where, exc_info=True)
+                if not self._give_up(flight, "promotion_error", f"{where}: {e!r}"):
+                    still.append(flight)
         self._in_flight = still
 
+    def _give_up(self, flight: _InFlight, error: str, detail: str) -> bool:
+        """Cancel a transfer; whether its promotions that had not ended failed (counting
+        `error`) at once, as nothing of it can land any more. Else `_land` ends them later."""
+        flight.transfer.cancel()
+        flight.given_up = (error, detail)
+        if flight.transfer.settled():
+            self._fail_unended(flight, error, detail)
+            return True
+        logger.warning("a transfer %s could not be aborted: its rows stay reserved until it is", detail)
+        return False
+
+    def _fail_unended(self, flight: _InFlight, error: str | None, detail: str = "") -> None:
+        unended = [p for p in flight.promotions if not p.ended]
+        if unended:
+            self._finish(unended, False, "cross_node", error, detail)
+
     def _land(self, flight: _InFlight, now: float) -> bool:
-        """Seal what a transfer brought and end its promotions, once it is done or its
-        first deadline passed; False while it is still in flight."""
+        """Seal what a transfer brought and end its promotions, once it is done, its first
+        deadline passed or, given up, it settled; False while it is still in flight."""
         where = f"from {flight.holder.replica_id}"
+        if flight.given_up is not None:
+            if not flight.transfer.settled():
+                return False
+            self._fail_unended(flight, *flight.given_up)
+            return True
         if not flight.transfer.done():
             if min(p.deadline for p in flight.promotions) > now:
                 return False
-            flight.transfer.cancel()
-            self._finish(flight.promotions, False, "cross_node", "promotion_timeout", where)
-            return True
+            return self._give_up(flight, "promotion_timeout", where)
         try:
             landed = flight.transfer.finish()
         except Exception as e:
@@ -300,7 +346,7 @@ class Promoter:
             with self._failing([p], "cross_node", where):
                 ok = metas is not None
                 if ok:
-                    self._seal(p, metas)
+                    _seal(self._pool, p, metas)
                     nbytes = sum(meta.nbytes for meta in metas)
                     self.bytes_cross_node += nbytes
                     moved[0] += 1
@@ -319,25 +365,6 @@ class Promoter:
             logger.warning("%d promotion(s) %s failed", len(failed), where, exc_info=True)
             if failed:
                 self._finish(failed, False, path, "promotion_error", f"{where}: {e!r}")
-
-    def _write_local(self, p: Promotion, read_slot: Callable[[int, np.ndarray], Sealed | None]) -> bool:
-        """Fill every rank's slot of the reserved row through read_slot, then seal it."""
-        rows = np.array([p.row])
-        gens = np.array([p.generation], dtype=np.uint64)
-        for rank in range(self._pool.layout.num_ranks):
-            self._pool.begin_write(rank, rows)
-            read = read_slot(rank, self._pool.payload[rank, p.row])
-            if read is None:
-                return False
-            self._pool.seal(rank, rows, [p.key], gens, read.nbytes, [read.checksum], [read.filled])
-        return True
-
-    def _seal(self, p: Promotion, metas: list[Sealed]) -> None:
-        """Seal every rank's slot of the reserved row, whose bytes landed and checked out."""
-        rows = np.array([p.row])
-        gens = np.array([p.generation], dtype=np.uint64)
-        for rank, meta in enumerate(metas):
-            self._pool.seal(rank, rows, [p.key], gens, meta.nbytes, [meta.checksum], [meta.filled])
 
     def _finish(
         self, promotions: list[Promotion], ok: bool, path: str | None, error: str | None = None, detail: str = ""

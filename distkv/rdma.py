@@ -17,6 +17,7 @@ import os
 import secrets
 import sys
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -92,16 +93,21 @@ class NixlRead:
         self._failed = True
         return "failed"
 
-    def release(self) -> None:
-        """Give the handle back (a READ still in flight is aborted); never raises."""
+    def release(self) -> bool:
+        """Give the handle back, aborting a READ still in flight: whether it is given back,
+        so that no byte of the READ lands any more. NIXL refuses (and keeps the handle)
+        when it cannot abort the READ, as UCX cannot always: then False, and the caller
+        tries again later. Never raises; releasing twice is fine."""
         if self._handle is None:
-            return
-        handle, self._handle = self._handle, None
+            return True
         try:
             with self._lock:
-                self._agent.release_xfer_handle(handle)
+                self._agent.release_xfer_handle(self._handle)
         except Exception:
-            pass
+            logger.debug("NIXL kept a READ's handle: it could not abort the READ yet", exc_info=True)
+            return False
+        self._handle = None
+        return True
 
 
 class NixlAgent:
@@ -211,17 +217,27 @@ class NixlAgent:
 
 
 class QueuedRead:
-    """READs handed to a `ReadQueue` as one: queued, being posted, in flight, or over."""
+    """READs handed to a `ReadQueue` as one: queued, being posted, in flight, draining (its
+    READ ended or was given up, but NIXL has not let its handle go: bytes may still land),
+    or over (nothing of it lands any more)."""
 
-    QUEUED, POSTING, IN_FLIGHT, OVER = range(4)
+    QUEUED, POSTING, IN_FLIGHT, DRAINING, OVER = range(5)
 
     def __init__(self, remote: PoolEndpoint, steps: list[np.ndarray], then: Callable[[bool], None]) -> None:
         self.remote = remote
         self.steps = steps
         self.then = then
-        self.step = 0  # the READ of steps[step] is the one queued, posted or in flight
+        self.step = 0  # the READ of steps[step] is the one queued, posted, in flight or draining
         self.state = self.QUEUED
         self.read: NixlRead | None = None
+        # what the READ of a DRAINING one ended with, said once its handle is let go; None:
+        # cancelled, nothing is said
+        self.outcome: bool | None = None
+
+    @property
+    def over(self) -> bool:
+        """Whether no byte of these READs lands any more and nothing more is said of them."""
+        return self.state == self.OVER
 
 
 class ReadQueue:
@@ -232,9 +248,14 @@ class ReadQueue:
     call that posts it, so posting here leaves the submitting thread free meanwhile: the
     Promoter checks what already landed while the next READ is being read. Over a NIC a
     post returns at once and the thread polls the READs in flight every POLL_S.
+
+    A READ is over only once NIXL let its handle go: a READ it could not abort (cancelled,
+    or failed with parts of it still moving) stays the queue's, draining, and the thread
+    offers it back every RELEASE_RETRY_S; until then nothing more is posted or said of it.
     """
 
     POLL_S = 0.0002
+    RELEASE_RETRY_S = 0.01
 
     def __init__(self, agent: NixlAgent) -> None:
         self._agent = agent
@@ -242,15 +263,18 @@ class ReadQueue:
         self._cond = threading.Condition(threading.RLock())
         self._queued: deque[QueuedRead] = deque()
         self._in_flight: list[QueuedRead] = []
+        self._draining: list[QueuedRead] = []
+        self._release_at = 0.0  # when the draining READs are offered back next
         self._closed = False
         self._thread = threading.Thread(target=self._run, name="distkv-nixl-reads", daemon=True)
         self._thread.start()
 
     def submit(self, remote: PoolEndpoint, steps: list[np.ndarray], then: Callable[[bool], None]) -> QueuedRead:
         """Queue READs of `steps` (each as `NixlAgent.read`'s pieces), each posted once the
-        one before has completed. `then(ok)` runs once, on the queue's thread, unless the
-        reads are cancelled first: ok is True when every READ completed, False as soon as
-        one could not start or failed. Raises once the queue is closed."""
+        one before has completed. `then(ok)` runs once, on the queue's thread, once no
+        byte of the READs lands any more, unless they are cancelled first: ok is True when
+        every READ completed, False as soon as one could not start or failed. Raises once
+        the queue is closed."""
         queued = QueuedRead(remote, steps, then)
         with self._cond:
             if self._closed:
@@ -259,22 +283,28 @@ class ReadQueue:
             self._cond.notify_all()
         return queued
 
-    def cancel(self, queued: QueuedRead) -> None:
-        """Once this returns, no byte of `queued` lands any more and its `then` does not
-        run: a READ being posted is waited for and released, one in flight is released
-        (aborted). Never raises; cancelling twice or after it ended is fine."""
+    def cancel(self, queued: QueuedRead) -> bool:
+        """Give `queued` up: its `then` does not run. Whether no byte of it lands any more
+        once this returns: a READ being posted is waited for and released, one in flight
+        is released (aborted). A READ NIXL cannot abort stays draining: False, and
+        `queued.over` says when it is over. Never raises; cancelling twice or after it
+        ended is fine."""
         with self._cond:
             while queued.state == QueuedRead.POSTING:
                 self._cond.wait()
             if queued.state == QueuedRead.QUEUED:
                 self._queued.remove(queued)
+                queued.state = QueuedRead.OVER
             elif queued.state == QueuedRead.IN_FLIGHT:
                 self._in_flight.remove(queued)
-                queued.read.release()
-            queued.state = QueuedRead.OVER
+                self._let_go(queued, None)
+            elif queued.state == QueuedRead.DRAINING:
+                queued.outcome = None
+            return queued.over
 
     def close(self) -> None:
-        """Cancel every READ not yet over and stop the thread."""
+        """Cancel every READ not yet over and stop the thread (a READ NIXL still cannot
+        abort is left to the agent's close)."""
         with self._cond:
             self._closed = True
             self._cond.notify_all()
@@ -283,17 +313,19 @@ class ReadQueue:
     def _run(self) -> None:
         while True:
             with self._cond:
-                while not (self._queued or self._in_flight or self._closed):
+                while not (self._queued or self._in_flight or self._draining or self._closed):
                     self._cond.wait()
                 if self._closed:
-                    for queued in [*self._queued, *self._in_flight]:
+                    for queued in [*self._queued, *self._in_flight, *self._draining]:
                         self.cancel(queued)
+                    if self._draining:
+                        logger.warning("%d NIXL READ(s) could not be aborted at close", len(self._draining))
                     return
                 posting = self._queued.popleft() if self._queued else None
                 if posting is not None:
                     posting.state = QueuedRead.POSTING
                 else:
-                    self._cond.wait(self.POLL_S)
+                    self._cond.wait(self.POLL_S if self._in_flight else self.RELEASE_RETRY_S)
             if posting is not None:
                 self._post(posting)
             with self._cond:
@@ -301,9 +333,31 @@ class ReadQueue:
                     state = queued.read.state()
                     if state != "pending":
                         self._in_flight.remove(queued)
-                        queued.read.release()
-                        queued.read = None
-                        self._ended(queued, state == "done")
+                        self._let_go(queued, state == "done")
+                if self._draining and time.monotonic() >= self._release_at:
+                    self._release_at = time.monotonic() + self.RELEASE_RETRY_S
+                    for queued in list(self._draining):
+                        if queued.read.release():
+                            self._draining.remove(queued)
+                            self._over(queued)
+
+    def _let_go(self, queued: QueuedRead, outcome: bool | None) -> None:
+        """queued's READ ended (outcome: whether it completed) or was cancelled (None):
+        release its handle and go on, or keep it draining until NIXL lets it go."""
+        queued.outcome = outcome
+        if queued.read.release():
+            self._over(queued)
+        else:
+            queued.state = QueuedRead.DRAINING
+            self._draining.append(queued)
+
+    def _over(self, queued: QueuedRead) -> None:
+        """queued's READ handle is let go: nothing of it lands any more."""
+        queued.read = None
+        if queued.outcome is None:
+            queued.state = QueuedRead.OVER
+        else:
+            self._ended(queued, queued.outcome)
 
     def _post(self, queued: QueuedRead) -> None:
         """Post queued's next READ, outside the condition: others queue meanwhile."""

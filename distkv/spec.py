@@ -8,7 +8,9 @@ derive the replica's plan (ReplicaPlan) from a KVIdentity filled from their conf
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import uuid
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -30,6 +32,19 @@ logger = logging.getLogger(__name__)
 # long enough for a fresh cluster's shards to start, short enough that a Directory that is
 # down does not keep the replica from serving (its view then fills in the background).
 DIRECTORY_SYNC_TIMEOUT_S = 10.0
+
+
+def engine_id_of(vllm_config: Any) -> str:
+    """The replica's `kv_transfer_config.engine_id`; where it has none, a fresh one, written
+    back to the config as vLLM's KVTransferConfig makes one: every process of the replica
+    handed this config (its scheduler, its workers) meets in the same pool, and replicas
+    of other nodes never share an id (a fixed default made them one replica in the
+    Directory, each one's holders replacing the other's)."""
+    kv_transfer_config = vllm_config.kv_transfer_config
+    engine_id = getattr(kv_transfer_config, "engine_id", None)
+    if engine_id is None:
+        engine_id = kv_transfer_config.engine_id = uuid.uuid4().hex
+    return str(engine_id)
 
 
 def _attr(obj: Any, path: str, default: Any = None) -> Any:
@@ -136,26 +151,44 @@ def join_cluster(plan: ReplicaPlan, pool: HostPool, local: LocalOffloadingManage
         )
     import ray
 
-    from distkv import metrics
-    from distkv.cluster import ClusterOffloadingManager
-    from distkv.directory import DirectoryLink, ReplicaInfo
     from distkv.names import RAY_NAMESPACE
-    from distkv.promotion import Promoter
     from distkv.transport import ObjectStoreTransport
-    from ray_actors.directory import shard_clients
-    from ray_actors.node_agent import AgentFetch, agent_relay, start_node_agent
+    from ray_actors.node_agent import AgentFetch, start_node_agent
 
     config = plan.config
     transport = node_transports(config.transport, pool, ObjectStoreTransport(pool, AgentFetch(plan.namespace)))
-    try:
+    # what is started, closed (the last first) should a later step fail: else the NIXL
+    # agent and the threads of the transports, the link and the Promoter outlive the failure
+    with contextlib.ExitStack() as started:
+        started.callback(transport.close)
         if not ray.is_initialized():
             ray.init(address=config.ray_address, namespace=RAY_NAMESPACE)
         node_id = ray.get_runtime_context().get_node_id()
         agent = start_node_agent(node_id)
         ray.get(agent.node_id.remote())
-    except BaseException:
-        transport.close()
-        raise
+        manager = _join(plan, pool, local, transport, node_id, agent, started)
+        started.pop_all()
+        return manager
+
+
+def _join(
+    plan: ReplicaPlan,
+    pool: HostPool,
+    local: LocalOffloadingManager,
+    transport: "NodeTransports",
+    node_id: str,
+    agent: Any,
+    started: contextlib.ExitStack,
+) -> "ClusterOffloadingManager":
+    """join_cluster's steps once this node's agent runs: what they start goes on `started`."""
+    from distkv import metrics
+    from distkv.cluster import ClusterOffloadingManager
+    from distkv.directory import DirectoryLink, ReplicaInfo
+    from distkv.promotion import Promoter
+    from ray_actors.directory import shard_clients
+    from ray_actors.node_agent import agent_relay
+
+    config = plan.config
     layout = plan.layout
     info = ReplicaInfo(
         plan.replica_id,
@@ -170,6 +203,7 @@ def join_cluster(plan: ReplicaPlan, pool: HostPool, local: LocalOffloadingManage
     relay = agent_relay(agent, plan.namespace, len(shards))
     link = DirectoryLink(plan.namespace, info, shards, joining_view(config.directory_view, shards[0].actor), relay)
     link.start()
+    started.callback(link.close)
     if not link.wait_synced(DIRECTORY_SYNC_TIMEOUT_S):
         logger.warning(
             "distkv: replica %s starts without the Directory's view (not every shard answered within %s s); "
@@ -177,6 +211,7 @@ def join_cluster(plan: ReplicaPlan, pool: HostPool, local: LocalOffloadingManage
             plan.replica_id, DIRECTORY_SYNC_TIMEOUT_S,
         )
     promoter = Promoter(pool, node_id, link.replica, transport, namespace=plan.namespace)
+    started.callback(promoter.close)  # it closes the transport too (closing it again is harmless)
     manager = ClusterOffloadingManager(
         local,
         link,
@@ -221,7 +256,7 @@ class LocalOffloadingSpec(OffloadingSpec):
             ),
             self.block_bytes_per_rank,
             self.num_ranks,
-            str(_attr(vllm_config, "kv_transfer_config.engine_id", "engine")),
+            engine_id_of(vllm_config),
         )
         self.config = self.plan.config
         self.layout = self.plan.layout
@@ -238,7 +273,9 @@ class LocalOffloadingSpec(OffloadingSpec):
         return self._pool
 
     def get_manager(self) -> LocalOffloadingManager:
-        return LocalOffloadingManager(self.layout.num_rows, policy=self.config.eviction_policy)
+        return LocalOffloadingManager(
+            self.layout.num_rows, policy=self.config.eviction_policy, generations=self.pool.reserve_generations
+        )
 
     def get_handlers(
         self, kv_caches: CanonicalKVCaches

@@ -22,6 +22,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 
@@ -61,8 +62,15 @@ class Transfer(ABC):
 
     @abstractmethod
     def cancel(self) -> None:
-        """Give up (a deadline passed, or the transfer failed): once this returns, no byte
-        of it lands in the local rows any more. Never raises; calling it twice is fine."""
+        """Give up (a deadline passed, or the transfer failed); `finish` is not called. Its
+        bytes may still land in the local rows until `settled`. Never raises; calling it
+        twice is fine."""
+
+    def settled(self) -> bool:
+        """Whether no byte of a cancelled transfer lands in the local rows any more, so that
+        they may be used again: at once, but for a one-sided read that could not be
+        aborted yet. Never raises."""
+        return True
 
 
 class Transport(ABC):
@@ -90,16 +98,47 @@ class Transport(ABC):
 
     def forget_gone(self, replica_info: Callable[[str], ReplicaInfo | None]) -> None:
         """Release what is kept for holders that left (replica_info says None) or came
-        back as another registration; the next read of one starts afresh."""
+        back as another registration, and for nodes none of whose holders is listed any
+        more; the next read of one starts afresh."""
 
     def close(self) -> None:
         """Release what the transport holds."""
 
 
+class HolderNodes:
+    """The node of each holder read from, so that what is kept per node (a NodeAgent's
+    handle, a measured rate) goes once the Directory lists none of its holders: they
+    left, or their node died and the Directory dropped them. Otherwise such maps would
+    grow with every node that ever held a block read here."""
+
+    def __init__(self) -> None:
+        self._node_of: dict[str, str] = {}  # holder replica -> its node
+
+    def note(self, holder: ReplicaInfo) -> None:
+        self._node_of[holder.replica_id] = holder.node_id
+
+    def live(self, replica_info: Callable[[str], ReplicaInfo | None]) -> set[str]:
+        """Forget the holders that `replica_info` no longer lists, or lists on another
+        node; the nodes of the others."""
+        for replica_id, node_id in list(self._node_of.items()):
+            info = replica_info(replica_id)
+            if info is None or info.node_id != node_id:
+                del self._node_of[replica_id]
+        return set(self._node_of.values())
+
+
 # ---- through the object store -------------------------------------------------------
 
-# fetch(holder's replica info, rows, keys, generations) -> future of RowsRead
-RemoteFetch = Callable[[ReplicaInfo, list[int], list[OffloadKey], list[int]], Future[RowsRead]]
+class RemoteFetch(Protocol):
+    """How `ObjectStoreTransport` has a holder's node read rows: `ray_actors.node_agent.AgentFetch`."""
+
+    def __call__(
+        self, holder: ReplicaInfo, rows: list[int], keys: list[OffloadKey], generations: list[int]
+    ) -> Future[RowsRead]:
+        """A future of the rows as the holder's node read them (`distkv.pool.read_rows`)."""
+
+    def forget_gone(self, replica_info: Callable[[str], ReplicaInfo | None]) -> None:
+        """Release what is kept for the nodes of holders that left (`Transport.forget_gone`)."""
 
 
 def shipped_index(metas: Sequence[list[Sealed] | None]) -> list[int | None]:
@@ -163,6 +202,9 @@ class ObjectStoreTransport(Transport):
         )
         future.add_done_callback(lambda _: wake())
         return _FetchedRows(future, self._pool, reads)
+
+    def forget_gone(self, replica_info: Callable[[str], ReplicaInfo | None]) -> None:
+        self._fetch.forget_gone(replica_info)
 
 
 # ---- one-sided NIXL reads -------------------------------------------------------------
@@ -264,7 +306,14 @@ class _NixlReads(Transfer):
 
     def cancel(self) -> None:
         self._transport.reads.cancel(self._queued)
+        self.settled()
+
+    def settled(self) -> bool:
+        # the scratch is written by the READs too: its slots go back only once they are over
+        if not self._queued.over:
+            return False
         self._give_back_scratch()
+        return True
 
     def _give_back_scratch(self) -> None:
         """Once only: a transfer cancelled after it finished must not hand its slots out twice."""
@@ -358,6 +407,9 @@ class _Timed(Transfer):
         self._inner.cancel()
         self._owner._measured(self._node_id, self.transport, 0.0)
 
+    def settled(self) -> bool:
+        return self._inner.settled()
+
 
 class NodeTransports(Transport):
     """The transport each holder node is read through (the `transport` setting).
@@ -378,8 +430,10 @@ class NodeTransports(Transport):
         self._object_store = object_store
         self._nixl = nixl
         self._mode = mode
-        # node -> transport name -> (bytes/s of its last measured transfer, when measured)
+        # node -> transport name -> (bytes/s of its last measured transfer, when measured);
+        # only nodes the Directory still lists a holder on: it goes out with every heartbeat
         self._rates: dict[str, dict[str, tuple[float, float]]] = {}
+        self._holder_nodes = HolderNodes()
         self._measuring: set[tuple[str, str]] = set()  # (node, transport) with a measurement in flight
 
     @property
@@ -409,6 +463,7 @@ class NodeTransports(Transport):
         return max(measured, key=lambda t: rates[t.name][0])
 
     def start(self, holder: ReplicaInfo, reads: Sequence[RowRead], wake: Callable[[], None]) -> Transfer:
+        self._holder_nodes.note(holder)
         measure = self._due(holder)
         transfer = (measure or self.chosen(holder)).start(holder, reads, wake)
         if measure is None:
@@ -420,6 +475,10 @@ class NodeTransports(Transport):
         return self.chosen(holder).batch_bytes(holder)
 
     def forget_gone(self, replica_info: Callable[[str], ReplicaInfo | None]) -> None:
+        live = self._holder_nodes.live(replica_info)
+        for node_id in [node_id for node_id in self._rates if node_id not in live]:
+            del self._rates[node_id]
+        self._object_store.forget_gone(replica_info)
         if self._nixl is not None:
             self._nixl.forget_gone(replica_info)
 

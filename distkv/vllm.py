@@ -403,7 +403,9 @@ class RayOffloadingSpec(OffloadingSpec):
             pool = HostPool(plan.pool_name, plan.layout)
             try:
                 self._check_workers_attached(pool)
-                local = LocalOffloadingManager(plan.layout.num_rows, policy=plan.config.eviction_policy)
+                local = LocalOffloadingManager(
+                    plan.layout.num_rows, policy=plan.config.eviction_policy, generations=pool.reserve_generations
+                )
                 cluster = join_cluster(plan, pool, local)
                 cluster.expect_step_ends()  # DistkvOffloadingManager.on_schedule_end
             except BaseException:

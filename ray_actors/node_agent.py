@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import logging
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 
 import ray
@@ -18,7 +20,11 @@ from distkv.directory import ReplicaInfo
 from distkv.names import RAY_NAMESPACE, agent_name, check_pool_namespace
 from distkv.pool import PRUNE_INTERVAL_S, PoolLayout, PoolReaders, RowsRead, read_rows
 from distkv.relay import Handed, PublishRelay, RelayBatch
+from distkv.segments import reclaim_stale_segments
+from distkv.transport import HolderNodes
 from ray_actors.directory import find_shards
+
+logger = logging.getLogger(__name__)
 
 
 # Reads of pool rows the agent serves at once, each on a thread of its own: a read copies
@@ -50,6 +56,10 @@ class NodeAgent:
       for the whole node. A relay unused for longer than `relay_idle_s` (its namespace's
       replicas on this node are gone, or its shard count changed) is closed and
       forgotten; a replica that publishes again later gets a new one.
+    - Every PRUNE_INTERVAL_S it closes the pools it no longer needs mapped and reclaims
+      the node's stale pool segments (`distkv.segments.reclaim_stale_segments`: those
+      of killed replicas, which no live process holds), so that a replica killed with
+      SIGKILL gives its shared memory back even if no pool is created on the node after.
     """
 
     def __init__(self, relay_idle_s: float = RELAY_IDLE_S) -> None:
@@ -58,7 +68,7 @@ class NodeAgent:
         self._readers = concurrent.futures.ThreadPoolExecutor(READ_THREADS, thread_name_prefix="distkv-read-rows")
         self._relays: dict[tuple[str, int], PublishRelay] = {}
         self._relay_idle_s = relay_idle_s
-        threading.Thread(target=self._prune_pools, name="distkv-prune-pools", daemon=True).start()
+        threading.Thread(target=self._upkeep, name="distkv-pool-upkeep", daemon=True).start()
         metrics.register(self._served)
         # Ray runs an async actor's __init__ on its event loop.
         self._relay_closer = asyncio.get_running_loop().create_task(self._close_unused_relays())
@@ -139,10 +149,14 @@ class NodeAgent:
             # close joins the relay's thread: not on the event loop
             await asyncio.gather(*(loop.run_in_executor(None, relay.close) for relay in closing))
 
-    def _prune_pools(self) -> None:
+    def _upkeep(self) -> None:
         while True:
             time.sleep(PRUNE_INTERVAL_S)
-            self._pools.prune()
+            try:
+                self._pools.prune()
+                reclaim_stale_segments()
+            except Exception:
+                logger.warning("distkv: the node's pool upkeep failed", exc_info=True)
 
     async def node_id(self) -> str:
         return ray.get_runtime_context().get_node_id()
@@ -161,13 +175,16 @@ def start_node_agent(node_id: str) -> ray.actor.ActorHandle:
 
 
 class AgentFetch:
-    """The Promoter's remote reads: a call to the holder node's NodeAgent."""
+    """The Promoter's remote reads (a `distkv.transport.RemoteFetch`): a call to the holder
+    node's NodeAgent, whose handle it keeps while the Directory lists a holder there."""
 
     def __init__(self, namespace: str) -> None:
         self._namespace = namespace
         self._agents: dict[str, ray.actor.ActorHandle] = {}
+        self._holder_nodes = HolderNodes()
 
     def __call__(self, info: ReplicaInfo, rows: list[int], keys: list[OffloadKey], generations: list[int]) -> "Future[RowsRead]":
+        self._holder_nodes.note(info)
         agent = self._agents.get(info.node_id)
         if agent is None:
             agent = ray.get_actor(agent_name(info.node_id), namespace=RAY_NAMESPACE)
@@ -176,6 +193,12 @@ class AgentFetch:
             info.pool_name, (info.num_rows, info.num_ranks, info.slot_bytes), rows, keys, generations,
             namespace=self._namespace,
         ).future()
+
+    def forget_gone(self, replica_info: Callable[[str], ReplicaInfo | None]) -> None:
+        """Drop the handles of nodes where the Directory lists none of the holders read."""
+        live = self._holder_nodes.live(replica_info)
+        for node_id in [node_id for node_id in self._agents if node_id not in live]:
+            del self._agents[node_id]
 
 
 def agent_relay(agent: ray.actor.ActorHandle, namespace: str, num_shards: int) -> RelayBatch:

@@ -1,6 +1,9 @@
 """Replicas sharing one cache through the real Directory and spec, on one local Ray node."""
 
 import os
+import signal
+import subprocess
+import sys
 import time
 import uuid
 
@@ -13,7 +16,7 @@ from distkv.harness import Replica, block_keys
 from distkv.names import RAY_NAMESPACE, SEGMENT_PREFIX, agent_name
 from distkv.spec import ClusterOffloadingSpec
 from ray_actors.directory import get_or_create_shards, kill_shards
-from ray_actors.node_agent import PRUNE_INTERVAL_S
+from ray_actors.node_agent import PRUNE_INTERVAL_S, start_node_agent
 
 BLOCK_TOKENS = 16
 PAGE_BYTES = 32 << 10
@@ -158,6 +161,37 @@ def test_node_agent_lets_go_of_a_removed_pool(ray_session):
     while agents_mapping(r.spec.pool_name):
         assert time.monotonic() < deadline, "the agent still maps the removed pool"
         time.sleep(0.2)
+
+
+def test_node_agent_reclaims_the_segment_of_a_killed_replica(ray_session):
+    """A replica killed with SIGKILL runs no cleanup: its segment stays in /dev/shm until
+    the node's agent reclaims it, within PRUNE_INTERVAL_S, though no pool is created on
+    the node meanwhile (which reclaimed it before, and nothing else did)."""
+    agent = start_node_agent(ray.get_runtime_context().get_node_id())
+    ray.get(agent.node_id.remote())
+    name = f"{SEGMENT_PREFIX}tkill{uuid.uuid4().hex[:8]}-r0"
+    killed = subprocess.Popen(
+        [sys.executable, "-c", (
+            "import sys; from distkv.pool import HostPool, PoolLayout, PAGE_BYTES\n"
+            f"pool = HostPool({name!r}, PoolLayout(4, 1, PAGE_BYTES))\n"
+            "print('ready', flush=True)\n"
+            "sys.stdin.read()\n"
+        )],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )
+    try:
+        assert killed.stdout.readline().strip() == "ready"
+        killed.send_signal(signal.SIGKILL)
+        killed.wait()
+    finally:
+        if killed.poll() is None:
+            killed.kill()
+            killed.wait()
+    assert os.path.exists(f"/dev/shm/{name}")  # SIGKILL ran no cleanup
+    deadline = time.monotonic() + PRUNE_INTERVAL_S + 30
+    while os.path.exists(f"/dev/shm/{name}"):
+        assert time.monotonic() < deadline, "the node's agent never reclaimed the killed replica's segment"
+        time.sleep(0.1)
 
 
 def test_a_reset_replica_shares_only_within_its_cache_epoch(replicas):

@@ -1,5 +1,6 @@
 """A replica that joins a warm namespace finds what the others hold from its first lookup."""
 
+import threading
 import time
 import uuid
 
@@ -10,6 +11,12 @@ from distkv.abstract import ReqContext
 from distkv.harness import Replica, block_keys
 from distkv.spec import ClusterOffloadingSpec
 from ray_actors.directory import kill_shards
+
+import distkv.cluster
+import distkv.directory
+import distkv.metrics
+import ray_actors.directory
+import ray_actors.node_agent
 
 BLOCK_TOKENS = 16
 PAGE_BYTES = 32 << 10
@@ -84,3 +91,45 @@ def test_a_joining_replica_finds_the_blocks_another_holds_within_half_a_second(r
         for replica in made:
             replica.shutdown()
         kill_shards(a.spec.namespace)
+
+
+class Injected(RuntimeError):
+    pass
+
+
+def fail(*args, **kwargs):
+    raise Injected("the step after")
+
+
+# The step that fails, after each step of join_cluster that starts something: the
+# transports (a NIXL agent and its threads), the node's agent, the link's thread, the
+# Promoter's thread, the manager.
+FAILURES = {
+    "after the transports": (ray_actors.node_agent, "start_node_agent"),
+    "after the node's agent": (ray_actors.directory, "shard_clients"),
+    "after the link": (distkv.directory.DirectoryLink, "wait_synced"),
+    "after the promoter": (distkv.cluster, "ClusterOffloadingManager"),
+    "after the manager": (distkv.metrics, "register"),
+}
+
+
+@pytest.mark.parametrize("failure", FAILURES)
+def test_a_join_that_fails_closes_what_it_started(ray_session, monkeypatch, failure):
+    """A replica whose join fails half way leaves nothing running: no NIXL agent, no
+    thread of its link, its Promoter or its reads."""
+    spec = ClusterOffloadingSpec.from_layout(
+        {"cpu_bytes_to_use": 64 * 2 * PAGE_BYTES, "tenant_salt": uuid.uuid4().hex, "transport": "nixl"},
+        gpu_block_sizes=[BLOCK_TOKENS],
+        group_page_bytes=[2 * PAGE_BYTES],
+        engine_id=f"r{uuid.uuid4().hex[:8]}",
+    )
+    replica_threads = {"distkv-promoter", "distkv-nixl-reads", "distkv-nixl-progress", f"distkv-directory-{spec.replica_id}"}
+    monkeypatch.setattr(*FAILURES[failure], fail)
+    try:
+        with pytest.raises(Injected):
+            spec.get_manager()
+        left = replica_threads & {t.name for t in threading.enumerate() if t.is_alive()}
+        assert not left, f"a join that failed {failure} left {sorted(left)} running"
+    finally:
+        spec.close()
+        kill_shards(spec.namespace)

@@ -6,6 +6,24 @@ from distkv.directory import Holder, ReplicaInfo
 from distkv.errors import ErrorLog
 
 
+class FunctionFetch:
+    """A RemoteFetch of a function of its call's signature, keeping nothing per node."""
+
+    def __init__(self, fetch):
+        self._fetch = fetch
+
+    def __call__(self, info, rows, keys, gens):
+        return self._fetch(info, rows, keys, gens)
+
+    def forget_gone(self, replica_info):
+        pass
+
+
+def no_fetch(info, rows, keys, gens):
+    """Reaches no node."""
+    raise ConnectionError("no node agent in this test")
+
+
 class FakeDirectory:
     def __init__(self):
         self.holders: dict[bytes, dict[str, Holder]] = {}

@@ -11,7 +11,7 @@ import uuid
 from pathlib import Path
 
 import pytest
-from cluster_fakes import FakeDirectory, FakeLink
+from cluster_fakes import FakeDirectory, FakeLink, FunctionFetch, no_fetch
 
 from distkv.abstract import ReqContext
 from distkv.cluster import ClusterOffloadingManager
@@ -78,7 +78,7 @@ def test_replay_on_the_cluster_manager_answers_as_recorded_and_publishes(recorde
     pool = HostPool(segment_name("testtrace" + uuid.uuid4().hex[:8], "r0"), PoolLayout(ROWS, 1, 4096))
     try:
         link = FakeLink(directory, ReplicaInfo("this", "node-a", pool.name, ROWS, 1, 4096))
-        promoter = Promoter(pool, "node-a", link.replica, ObjectStoreTransport(pool, fetch=None), namespace=link.namespace)
+        promoter = Promoter(pool, "node-a", link.replica, ObjectStoreTransport(pool, fetch=FunctionFetch(no_fetch)), namespace=link.namespace)
         manager = ClusterOffloadingManager(LocalOffloadingManager(ROWS, recorded.policy), link, promoter)
         try:
             trace.replay(recorded, trace.Subject("distkv cluster", manager, ReqContext))

@@ -16,7 +16,7 @@ import pytest
 
 from distkv import metrics
 from distkv.abstract import ReqContext
-from cluster_fakes import FakeDirectory, FakeLink
+from cluster_fakes import FakeDirectory, FakeLink, FunctionFetch
 
 from distkv.cluster import ClusterOffloadingManager
 from distkv.directory import DirectoryState, ReplicaInfo
@@ -201,7 +201,7 @@ class FakeClusterSpec(LocalOffloadingSpec):
         info = ReplicaInfo(self.replica_id, self.node_id, self.pool_name, layout.num_rows, layout.num_ranks, layout.slot_bytes)
         link = FakeLink(self.directory, info)
         promoter = Promoter(
-            self.pool, self.node_id, link.replica, ObjectStoreTransport(self.pool, self.fetch), namespace=self.namespace
+            self.pool, self.node_id, link.replica, ObjectStoreTransport(self.pool, FunctionFetch(self.fetch)), namespace=self.namespace
         )
         return ClusterOffloadingManager(super().get_manager(), link, promoter, promotion_timeout_s=self.timeout_s)
 

@@ -254,7 +254,7 @@ def test_bad_publish_raises_and_leaves_the_directory_unchanged(entries, removed,
 def adapter_manager():
     """distkv.vllm's manager over a ClusterOffloadingManager with an in-memory Directory,
     holding four stored blocks; (manager, their keys)."""
-    from cluster_fakes import FakeDirectory, FakeLink
+    from cluster_fakes import FakeDirectory, FakeLink, FunctionFetch, no_fetch
 
     from distkv.cluster import ClusterOffloadingManager
     from distkv.promotion import Promoter
@@ -265,7 +265,7 @@ def adapter_manager():
     pool = HostPool(f"distkv-fuzz-{uuid.uuid4().hex[:8]}", layout)
     info = ReplicaInfo("a", "node", pool.name, layout.num_rows, layout.num_ranks, layout.slot_bytes)
     link = FakeLink(FakeDirectory(), info)
-    cluster = ClusterOffloadingManager(LocalOffloadingManager(8), link, Promoter(pool, "node", link.replica, ObjectStoreTransport(pool, None), namespace=link.namespace))
+    cluster = ClusterOffloadingManager(LocalOffloadingManager(8), link, Promoter(pool, "node", link.replica, ObjectStoreTransport(pool, FunctionFetch(no_fetch)), namespace=link.namespace))
     manager = DistkvOffloadingManager(cluster, pool, enable_events=False)
     keys = [good_key(i) for i in range(4)]
     ctx = ReqContext("setup")

@@ -143,6 +143,44 @@ def test_generations_do_not_repeat_across_managers(policy: str) -> None:
     assert store(second, [k(0)]).generations.tolist()[0] > max(gens)
 
 
+def test_generations_never_repeat_in_a_segment_after_a_clock_step_and_a_re_attach(monkeypatch) -> None:
+    """A replica's scheduler that restarts while its workers keep the segment attaches to
+    it again, and the wall clock may have stepped back meanwhile (NTP, a restored VM): no
+    generation sealed or handed out before may be handed out again, or a reader of an old
+    (key, generation) would take a row sealed anew under it (the slot protocol's premise)."""
+    from distkv.spec import LocalOffloadingSpec
+
+    wall_clock = [1_750_000_000_000_000_000]
+    monkeypatch.setattr(time, "time_ns", lambda: wall_clock[0])
+    first = LocalOffloadingSpec.from_layout(
+        {"cpu_bytes_to_use": 64 * 4096}, gpu_block_sizes=[16], group_page_bytes=[4096]
+    )
+    worker_pool = first.pool  # a worker's mapping, held across the scheduler's restart
+    try:
+        before = first.get_manager()
+        sealed = set()
+        for batch in range(8):
+            spec = store(before, [k(batch * 8 + i) for i in range(8)])
+            sealed.update(spec.generations.tolist())
+            for row, key, generation in zip(spec.block_ids.tolist(), spec.keys, spec.generations.tolist()):
+                rows = np.array([row])
+                worker_pool.begin_write(0, rows)
+                worker_pool.seal(0, rows, [key], np.array([generation], dtype=np.uint64), 4096)
+        restarted = LocalOffloadingSpec(first.vllm_config, first.kv_cache_config)  # the new scheduler
+        try:
+            assert restarted.pool_name == first.pool_name
+            after = restarted.get_manager()  # the clock has not moved: it stepped back to its start
+            handed = set()
+            for batch in range(8):
+                handed.update(store(after, [k(1000 + batch * 8 + i) for i in range(8)]).generations.tolist())
+        finally:
+            restarted.close()
+        assert not handed & sealed, "a generation handed out again in the same segment"
+        assert min(handed) > max(sealed)
+    finally:
+        first.close()
+
+
 def test_block_reports_row_and_generation_of_ready_blocks(policy: str) -> None:
     manager = make(policy)
     out = manager.prepare_store([k(0)], CTX)

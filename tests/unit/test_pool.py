@@ -182,6 +182,23 @@ def test_pool_readers_prune_removed_and_idle_pools(name):
         readers.close()
 
 
+def test_generations_are_reserved_once_per_segment_across_its_mappings(name):
+    layout = PoolLayout(num_rows=4, num_ranks=1, slot_bytes=PAGE_BYTES)
+    a = HostPool(name, layout)
+    try:
+        assert a.reserve_generations(5) == 1  # a new segment: 0 marks a slot being written
+        with HostPool(name, layout) as b:
+            assert b.reserve_generations(3) == 6
+        assert a.reserve_generations(1) == 9
+        with pytest.raises(ValueError, match="must be positive"):
+            a.reserve_generations(0)
+        assert a.reserve_generations(1) == 10  # the refusal reserved nothing
+    finally:
+        a.close()
+    with HostPool(name, layout) as fresh:
+        assert fresh.reserve_generations(1) == 1
+
+
 def test_layout_mismatch_is_a_clear_error(name):
     a = HostPool(name, PoolLayout(num_rows=4, num_ranks=1, slot_bytes=PAGE_BYTES))
     try:

@@ -78,6 +78,9 @@ class Fetch:
     def fail(self, error: BaseException):
         self.pending.pop(0)[0].set_exception(error)
 
+    def forget_gone(self, replica_info):
+        pass
+
 
 @pytest.fixture
 def namespace():

@@ -315,8 +315,8 @@ class SteppedRead:
             on_done()
         return state
 
-    def release(self) -> None:
-        self._read.release()
+    def release(self) -> bool:
+        return self._read.release()
 
 
 # NixlTransport's sequence: read 0 brings the slots and headers, read 1 the generations.

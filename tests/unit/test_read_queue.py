@@ -5,6 +5,7 @@ so each test decides when a post returns and when a READ completes."""
 from __future__ import annotations
 
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -16,20 +17,32 @@ WAIT_S = 30  # generous: nothing here takes more than milliseconds
 
 
 class FakeRead:
-    def __init__(self, pieces: np.ndarray) -> None:
+    """A READ whose state the test sets. While `abortable` is clear, NIXL cannot abort it:
+    `release` refuses (and sets `refused`), as NIXL does when UCX cannot cancel a READ."""
+
+    def __init__(self, pieces: np.ndarray, abortable: bool = True) -> None:
         self.pieces = pieces
         self.outcome = "pending"
         self.released = threading.Event()
+        self.abortable = threading.Event()
+        if abortable:
+            self.abortable.set()
+        self.refused = threading.Event()
 
     def state(self) -> str:
         return "failed" if self.released.is_set() and self.outcome == "pending" else self.outcome
 
-    def release(self) -> None:
+    def release(self) -> bool:
+        if not self.abortable.is_set():
+            self.refused.set()
+            return False
         self.released.set()
+        return True
 
 
 class FakeAgent:
-    """Records every post; a post blocks while `hold` is clear; `fail_posts` raise."""
+    """Records every post; a post blocks while `hold` is clear; `fail_posts` raise; reads
+    posted while `abortable` is False cannot be aborted until the test says so."""
 
     def __init__(self) -> None:
         self.posted: list[FakeRead] = []
@@ -37,6 +50,7 @@ class FakeAgent:
         self.hold = threading.Event()
         self.hold.set()
         self.fail_posts = False
+        self.abortable = True
         self._changed = threading.Condition()
 
     def read(self, remote: PoolEndpoint, pieces: np.ndarray) -> FakeRead:
@@ -44,7 +58,7 @@ class FakeAgent:
         assert self.hold.wait(WAIT_S)
         if self.fail_posts:
             raise ConnectionError("peer gone")
-        read = FakeRead(pieces)
+        read = FakeRead(pieces, self.abortable)
         with self._changed:
             self.posted.append(read)
             self._changed.notify_all()
@@ -182,3 +196,55 @@ def test_close_releases_what_is_in_flight_and_refuses_more(agent_queue):
     assert read.released.is_set() and not outcome.said
     with pytest.raises(RuntimeError, match="closed"):
         reads.submit(REMOTE, steps(1), outcome)
+
+
+def wait_over(queued: QueuedRead) -> None:
+    deadline = time.monotonic() + WAIT_S
+    while not queued.over:
+        assert time.monotonic() < deadline, "the read never ended"
+        time.sleep(0.001)
+
+
+def test_a_read_nixl_cannot_abort_stays_the_queues_until_it_lets_it_go(agent_queue):
+    """UCX cannot always abort a READ in flight: NIXL then keeps its handle. Cancelling
+    it says so (False), and it is over (nothing of it lands any more) only once the
+    queue, trying again at every poll, got the handle released; nothing is said of it."""
+    agent, reads = agent_queue
+    agent.abortable = False
+    outcome = Outcomes()
+    queued = reads.submit(REMOTE, steps(2), outcome)
+    read = agent.wait_posted(1)
+    assert reads.cancel(queued) is False
+    assert not queued.over and read.refused.is_set() and not read.released.is_set()
+    read.refused.clear()
+    assert read.refused.wait(WAIT_S)  # tried again
+    assert not queued.over
+    read.outcome = "done"  # completing changes nothing: it was given up
+    read.abortable.set()
+    wait_over(queued)
+    assert read.released.is_set()
+    assert reads.cancel(queued) is True  # over: cancelling again is fine
+    reads.close()
+    assert len(agent.posted) == 1 and not outcome.said
+
+
+@pytest.mark.parametrize("ended", ["done", "failed"])
+def test_a_read_that_ended_is_said_to_only_once_nixl_let_it_go(agent_queue, ended):
+    """A READ that failed may have parts still moving, and even a done one is over only
+    once released: `then` runs, and the next step is posted, only after that."""
+    agent, reads = agent_queue
+    agent.abortable = False
+    outcome = Outcomes()
+    queued = reads.submit(REMOTE, steps(2), outcome)
+    read = agent.wait_posted(1)
+    read.outcome = ended
+    assert read.refused.wait(WAIT_S)
+    read.refused.clear()
+    assert read.refused.wait(WAIT_S)
+    assert not outcome.said and len(agent.posted) == 1 and not queued.over
+    agent.abortable = True
+    read.abortable.set()
+    if ended == "done":
+        agent.wait_posted(2).outcome = "done"
+    assert outcome.event.wait(WAIT_S)
+    assert outcome.said == [ended == "done"] and queued.over

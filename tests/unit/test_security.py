@@ -61,6 +61,16 @@ def test_engines_whose_ids_differ_only_in_punctuation_get_different_pools():
     assert len(pools) == 4
 
 
+def test_replicas_that_name_no_engine_id_never_share_one_but_a_replicas_processes_do():
+    """Without an engine_id every replica was "engine-0": replicas on different nodes were
+    one replica to the Directory. Each now gets a fresh id, kept in its configuration, so
+    that its scheduler and workers (handed the same configuration) still meet in one pool."""
+    a, b = (LocalOffloadingSpec.from_layout({}, gpu_block_sizes=[16], group_page_bytes=[4096]) for _ in range(2))
+    assert a.replica_id != b.replica_id and a.pool_name != b.pool_name
+    worker = LocalOffloadingSpec(a.vllm_config, a.kv_cache_config)
+    assert worker.replica_id == a.replica_id and worker.pool_name == a.pool_name
+
+
 @settings(max_examples=100)
 @given(st.text(max_size=8), st.text(max_size=8))
 def test_tenant_salts_give_different_namespaces(s1, s2):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import sys
 import uuid
@@ -141,6 +142,34 @@ def test_nixl_and_object_store_modes_do_not_measure(transports):
     only = NodeTransports(object_store, nixl, "object_store")
     assert only.start(holder("b"), READS, lambda: None).transport == "object_store"
     assert only.rates() == {}
+
+
+def test_rates_are_kept_only_for_nodes_where_the_directory_lists_a_holder(transports, clock):
+    """The rates go out with every heartbeat: a node whose holders all left (or whose
+    holders the Directory dropped with the node) leaves them, and one measured again comes
+    back; a holder listed on another node now no longer keeps its old one."""
+    object_store, nixl = transports
+    chooser = NodeTransports(object_store, nixl, "auto")
+    b1, b2, c = holder("b"), dataclasses.replace(holder("b"), replica_id="r-b2"), holder("c")
+    for h in (b1, c):
+        first, second = chooser.start(h, READS, lambda: None), chooser.start(h, READS, lambda: None)
+        complete(first, clock, 0.001)
+        complete(second, clock, 0.004)
+    chooser.start(b2, READS, lambda: None)
+    assert set(chooser.rates()) == {"b", "c"}
+    listed = {h.replica_id: h for h in (b1, b2, c)}
+    chooser.forget_gone(listed.get)
+    assert set(chooser.rates()) == {"b", "c"}
+    del listed["r-b"]
+    chooser.forget_gone(listed.get)
+    assert set(chooser.rates()) == {"b", "c"}  # r-b2 is still on b
+    del listed["r-b2"]
+    listed["r-c"] = dataclasses.replace(c, node_id="d")  # restarted on node d
+    chooser.forget_gone(listed.get)
+    assert chooser.rates() == {}
+    again = chooser.start(listed["r-c"], READS, lambda: None)
+    complete(again, clock, 0.001)
+    assert set(chooser.rates()) == {"d"}
 
 
 def test_without_nixl_everything_goes_through_the_object_store(transports):
