@@ -27,7 +27,8 @@ import psutil  # noqa: E402
 import ray  # noqa: E402
 
 from distkv.demo.runner import token_auth_on  # noqa: E402
-from distkv.directory import ReplicaInfo, pack, unpack  # noqa: E402
+from distkv.directory import ReplicaInfo, pack  # noqa: E402
+from distkv.directory_answer import decode_answer  # noqa: E402
 from distkv.names import RAY_NAMESPACE, segment_name  # noqa: E402
 from ray_actors.directory import ShardActorClient, get_or_create_shards, kill_shards  # noqa: E402
 from scale import PAGE_BYTES, actor_processes, connect_channels, cpu_seconds, key  # noqa: E402  (bench/, this script's directory)
@@ -46,7 +47,7 @@ def one_at_a_time(send, keys: list[bytes], calls: int) -> list[float]:
         start = time.perf_counter()
         answer = send(prefix).result()
         times.append(time.perf_counter() - start)
-        holders, _ = unpack(answer)
+        holders, _ = decode_answer(answer, len(prefix))
         if not all(holders):
             raise RuntimeError("a held key came back without a holder")
     return times

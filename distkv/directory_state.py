@@ -134,6 +134,11 @@ def unpack(data: bytes) -> Any:
     return pickle.loads(data)
 
 
+# A register, a publish and a query carry at most this many keys (a link's batches), so
+# that no one call holds a shard's loop for long.
+MAX_CALL_KEYS = 1 << 12
+
+
 def check_namespace(serves: str, namespace: object, who: str) -> None:
     """Refuse a call made for cache namespace `namespace` to `who`, which serves `serves`.
 

@@ -30,6 +30,7 @@ from distkv.abstract import OffloadKey
 from distkv.directory_state import (
     Cursor,
     DirectoryState,
+    MAX_CALL_KEYS,
     Lateness,
     Relayed,
     ReplicaInfo,
@@ -38,9 +39,9 @@ from distkv.directory_state import (
     check_namespace,
     check_stored,
     defer_full_collections,
-    pack,
     unpack,
 )
+from distkv.directory_answer import encode_answer
 from distkv.names import RAY_NAMESPACE, check_pool_namespace, parse_shard_name, shard_name
 from distkv.query_channel import TOKEN_BYTES, QueryChannel, QueryServer, channel_allowed
 
@@ -170,8 +171,8 @@ class DirectoryShard:
         return known
 
     async def query(self, keys: Sequence[OffloadKey], namespace: str) -> bytes:
-        """The packed (holders of each key, ReplicaInfo of each replica they name); see
-        `DirectoryState.answer`."""
+        """The (holders of each key, ReplicaInfo of each replica they name) of
+        `DirectoryState.answer`, encoded as `distkv.directory_answer` says."""
         self._check(namespace)
         return self._answer(keys)
 
@@ -249,8 +250,10 @@ class DirectoryShard:
 
     def _answer(self, keys: Sequence[OffloadKey]) -> bytes:
         """On the default loop: `query`'s answer, however the query came."""
+        if len(keys) > MAX_CALL_KEYS:
+            raise ValueError(f"query: {len(keys)} keys, over {MAX_CALL_KEYS} a call")
         started = time.perf_counter()
-        answer = pack(self._state.answer(keys))
+        answer = encode_answer(*self._state.answer(keys))
         self._took("query", started)
         return answer
 

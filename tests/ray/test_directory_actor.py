@@ -18,6 +18,7 @@ from distkv.directory import (
     shard_of,
     unpack,
 )
+from distkv.directory_answer import decode_answer
 from distkv.names import segment_name
 from distkv.query_channel import QueryChannel
 from ray_actors.directory import (
@@ -276,7 +277,7 @@ def test_register_refuses_a_pool_of_another_namespace(namespace):
             ray.get(shard.register.remote(info, 1, pack([(key, 0, 1)]), namespace=namespace))
     # nothing of them was applied
     assert [r["replica_id"] for r in ray.get(shard.replicas.remote())] == ["a"]
-    assert unpack(ray.get(shard.query.remote([key], namespace=namespace)))[0] == [()]
+    assert decode_answer(ray.get(shard.query.remote([key], namespace=namespace)), 1)[0] == [()]
 
 
 def test_registers_and_publishes_are_answered_while_the_followers_loop_is_busy(namespace):
@@ -311,7 +312,7 @@ def test_registers_and_publishes_are_answered_while_the_followers_loop_is_busy(n
     # answered while the followers' loop is held; on one loop they would wait for it
     assert ray.get(shard.register.remote(info, 1, pack([]), namespace=namespace), timeout=30)[1]
     assert ray.get(shard.publish.remote("a", 2, pack(([(key, 3, 1)], [])), None, namespace=namespace), timeout=30)[1]
-    assert unpack(ray.get(shard.query.remote([key], namespace=namespace), timeout=30))[0] == [(("a", node_id, 3, 1),)]
+    assert decode_answer(ray.get(shard.query.remote([key], namespace=namespace), timeout=30), 1)[0] == [(("a", node_id, 3, 1),)]
     assert ray.wait([poll], timeout=0)[1] == [poll]  # the poll is still held
     ray.get(shard.release.remote())
     ray.get(held)
@@ -331,13 +332,13 @@ def test_queries_go_over_the_shard_s_channel_and_answer_as_its_actor_does(make_l
     keys = new_keys(30)
     a.stored([(k, i, 1) for i, k in enumerate(keys)])
     actor = get_or_create_shards(namespace, 1)[0]
-    wait_for(lambda: all(unpack(ray.get(actor.query.remote(keys, namespace=namespace)))[0]), 10)
+    wait_for(lambda: all(decode_answer(ray.get(actor.query.remote(keys, namespace=namespace)), len(keys))[0]), 10)
     client = ShardActorClient(actor, namespace)
     assert not client.channel.connected
-    by_ray = unpack(client.query(keys, namespace).result(30))  # the first one starts connecting
+    by_ray = decode_answer(client.query(keys, namespace).result(30), len(keys))  # the first one starts connecting
     connected(client.channel)
-    assert unpack(client.channel.query(keys).result(30)) == by_ray
-    assert unpack(client.query(keys, namespace).result(30)) == by_ray
+    assert decode_answer(client.channel.query(keys).result(30), len(keys)) == by_ray
+    assert decode_answer(client.query(keys, namespace).result(30), len(keys)) == by_ray
     with pytest.raises(ValueError, match="refuses a call for namespace 'other'"):
         client.query(keys, "other").result(30)  # through Ray, whose shard refuses it
     client.close()
@@ -372,9 +373,9 @@ def test_a_restarted_shard_s_queries_go_through_ray_until_its_channel_connects_a
     wait_for(lambda: epochs_of([actor]) != epochs, 30)
     # through Ray meanwhile, answered by the new incarnation, which the link refills; a query
     # starts connecting the channel again once RECONNECT_DELAY_S has passed
-    wait_for(lambda: all(unpack(client.query(keys, namespace).result(30))[0]) and client.channel.connected, 30)
+    wait_for(lambda: all(decode_answer(client.query(keys, namespace).result(30), len(keys))[0]) and client.channel.connected, 30)
     assert ray.get(actor.query_endpoint.remote(), timeout=30) != endpoint
-    assert all(unpack(client.channel.query(keys).result(30))[0])
+    assert all(decode_answer(client.channel.query(keys).result(30), len(keys))[0])
     client.close()
 
 
@@ -386,5 +387,5 @@ def test_where_ray_encrypts_its_traffic_queries_stay_on_ray(make_link, namespace
     actor = get_or_create_shards(namespace, 1)[0]
     client = ShardActorClient(actor, namespace)
     assert client.channel is None
-    wait_for(lambda: all(unpack(client.query(keys, namespace).result(30))[0]), 10)
+    wait_for(lambda: all(decode_answer(client.query(keys, namespace).result(30), len(keys))[0]), 10)
     client.close()
