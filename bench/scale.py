@@ -117,7 +117,7 @@ from distkv.abstract import ReqContext, make_offload_key  # noqa: E402
 from distkv.demo.runner import token_auth_on  # noqa: E402
 from distkv.directory import Changes, Cursor, DirectoryState, Publisher, ReplicaInfo, ShardView, pack, shard_of, unpack  # noqa: E402
 from distkv.directory_answer import decode_answer, encode_answer  # noqa: E402
-from distkv.directory_state import YOUNG_COLLECTION_KEYS, ShardCollections, defer_full_collections  # noqa: E402
+from distkv.directory_state import YOUNG_COLLECTION_KEYS, ShardCollections, defer_full_collections, unpack_changes  # noqa: E402
 from distkv.errors import ErrorLog  # noqa: E402
 from distkv.names import segment_name  # noqa: E402
 from distkv.query_channel import QueryChannel  # noqa: E402
@@ -190,7 +190,7 @@ class StateBench:
 
     def publish(self, payload: bytes, replica: int) -> None:
         """The shard's work for one publish call."""
-        stored, removed = unpack(payload)
+        stored, removed = unpack_changes(payload, "publish")
         name = f"r{replica}"
         self.seq[name] += 1
         self.state.publish(name, self.seq[name], stored, removed)

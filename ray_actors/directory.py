@@ -31,6 +31,7 @@ from distkv.directory_state import (
     Cursor,
     DirectoryState,
     MAX_CALL_KEYS,
+    MAX_RELAYED_PUBLISHES,
     Lateness,
     Relayed,
     ReplicaInfo,
@@ -39,7 +40,8 @@ from distkv.directory_state import (
     check_namespace,
     check_stored,
     defer_full_collections,
-    unpack,
+    unpack_changes,
+    unpack_stored,
 )
 from distkv.directory_answer import encode_answer
 from distkv.names import RAY_NAMESPACE, check_pool_namespace, parse_shard_name, shard_name
@@ -47,6 +49,9 @@ from distkv.query_channel import TOKEN_BYTES, QueryChannel, QueryServer, channel
 
 logger = logging.getLogger(__name__)
 
+# How many times a small call (not a register, publish or query) in flight when its shard
+# dies is sent again to the shard's next incarnations: one restart needs one.
+SMALL_CALL_RETRIES = 3
 # How often a shard reads Ray's node table to drop the holders on dead nodes.
 NODE_POLL_S = 1.0
 # A replica not heard from for this long is dropped; links heartbeat every 0.5 s.
@@ -97,16 +102,25 @@ class DirectoryShard:
             server = QueryServer(self._answer, namespace, self._query_token, self._check)
             self._query_address = self._loop.create_task(server.start(ray.util.get_node_ip_address()))
 
+    @ray.method(max_task_retries=0)
     async def register(self, info: ReplicaInfo, seq: int, stored: bytes, namespace: str) -> tuple[str, bool, float]:
         """Register a replica afresh and publish everything it holds (packed entries), as one
         change; (epoch, True, the interval the replica is to leave between its calls).
 
         Every call that changes or reads holders refuses another cache `namespace` (ValueError),
-        and `register` a replica whose pool is not a segment of this shard's namespace.
+        and `register` a replica whose pool is not a segment of this shard's namespace. Every
+        call checks all it carries (`unpack_stored`, `unpack_changes`: MAX_CALL_KEYS keys at
+        most, plain data) before it applies any of it: bad input is a ValueError and changes
+        nothing. The calls that carry bulk (`register`, `publish`, `publish_many`, `query`)
+        are not sent again to the shard's next incarnation when it dies under them: the one
+        that killed it would kill that one too; their callers send them again (a publisher
+        after a backoff, a relay's replicas, a querier's next miss).
         """
         started = time.perf_counter()
         self._check(namespace)
-        stored = unpack(stored)
+        if type(seq) is not int:
+            raise ValueError(f"register: seq {seq!r:.80} is not an int")
+        stored = unpack_stored(stored, "register")
         if isinstance(info, ReplicaInfo):  # else register says what is wrong
             check_pool_namespace(info.pool_name, self._namespace)
             check_stored(stored, info.num_rows)
@@ -118,6 +132,7 @@ class DirectoryShard:
         self._took("register", started)
         return self._state.epoch, True, self._state.publish_interval()
 
+    @ray.method(max_task_retries=0)
     async def publish(
         self, replica_id: str, seq: int, changes: bytes, report: dict | None, namespace: str
     ) -> tuple[str, bool, float]:
@@ -128,7 +143,9 @@ class DirectoryShard:
         """
         started = time.perf_counter()
         self._check(namespace)
-        stored, removed = unpack(changes)
+        stored, removed = unpack_changes(changes, "publish")
+        if report is not None and not isinstance(report, dict):
+            raise ValueError(f"publish: report {report!r:.80} is not a dict")
         with self._lock:
             before = self._state.cursor()
             known = self._state.publish(replica_id, seq, stored, removed)
@@ -138,6 +155,7 @@ class DirectoryShard:
         self._took("publish", started)
         return self._state.epoch, known, self._state.publish_interval()
 
+    @ray.method(max_task_retries=0)
     async def publish_many(self, items: list[Relayed], namespace: str) -> tuple[str, list[bool | str], float]:
         """Apply the publishes of several replicas that a node's relay carried (`distkv.relay`),
         each as its own `publish`; (epoch, per item whether its replica is registered or why
@@ -145,6 +163,8 @@ class DirectoryShard:
         self._check(namespace)
         if not isinstance(items, list):
             raise ValueError(f"publish_many: items {type(items).__name__} is not a list")
+        if len(items) > MAX_RELAYED_PUBLISHES:
+            raise ValueError(f"publish_many: {len(items)} publishes, over {MAX_RELAYED_PUBLISHES} a call")
         results: list[bool | str] = []
         took = 0.0  # the time of the call's own steps, not of the calls run between them
         for i, item in enumerate(items):
@@ -170,6 +190,7 @@ class DirectoryShard:
         self._took("unregister", started)
         return known
 
+    @ray.method(max_task_retries=0)
     async def query(self, keys: Sequence[OffloadKey], namespace: str) -> bytes:
         """The (holders of each key, ReplicaInfo of each replica they name) of
         `DirectoryState.answer`, encoded as `distkv.directory_answer` says."""
@@ -409,9 +430,11 @@ def get_or_create_shards(
             lifetime="detached",
             num_cpus=0,
             max_restarts=-1,
-            # a call in flight when a shard dies runs again on its next incarnation, which
-            # answers it from its new (empty) state and epoch: the link then re-publishes
-            max_task_retries=-1,
+            # a small call in flight when a shard dies runs again on its next incarnation,
+            # which answers it from its new (empty) state and epoch, a few times at most
+            # (one that kills each incarnation stops there); the bulk ones are not replayed
+            # (`DirectoryShard.register`)
+            max_task_retries=SMALL_CALL_RETRIES,
             scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=True),
         ).remote(replica_timeout_s, namespace, shard)
         for shard, node_id in enumerate(nodes)

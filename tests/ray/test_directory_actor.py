@@ -19,6 +19,7 @@ from distkv.directory import (
     unpack,
 )
 from distkv.directory_answer import decode_answer
+from distkv.directory_state import MAX_CALL_KEYS, MAX_PAYLOAD_BYTES
 from distkv.names import segment_name
 from distkv.query_channel import QueryChannel
 from ray_actors.directory import (
@@ -389,3 +390,68 @@ def test_where_ray_encrypts_its_traffic_queries_stay_on_ray(make_link, namespace
     assert client.channel is None
     wait_for(lambda: all(decode_answer(client.query(keys, namespace).result(30), len(keys))[0]), 10)
     client.close()
+
+
+# ---- calls that would kill a shard (issue 31, finding 4) ----------------------------------
+
+
+def pid_of(actor) -> int:
+    return ray.get(actor.__ray_call__.remote(lambda self: os.getpid()), timeout=60)
+
+
+def test_oversized_or_poisoned_payloads_are_refused_and_change_nothing(namespace):
+    class Bomb:
+        """A payload whose unpickling kills the process that unpickles it."""
+
+        def __reduce__(self):
+            return (os._exit, (1,))
+
+    (shard,) = get_or_create_shards(namespace, 1)
+    node_id = ray.get_runtime_context().get_node_id()
+    infos = {r: ReplicaInfo(r, node_id, segment_name(namespace, r), 1 << 13, 1, 4096) for r in "ab"}
+    held = new_keys(3)
+    ray.get(shard.register.remote(infos["a"], 1, pack([(k, i, 1) for i, k in enumerate(held)]), namespace=namespace))
+    ray.get(shard.register.remote(infos["b"], 1, pack([]), namespace=namespace))
+    pid, before = pid_of(shard), ray.get(shard.stats.remote())
+
+    too_many = [(k, i, 1) for i, k in enumerate(new_keys(MAX_CALL_KEYS + 1))]
+    with pytest.raises(ValueError, match=f"register: {MAX_CALL_KEYS + 1} stored entries, over {MAX_CALL_KEYS}"):
+        ray.get(shard.register.remote(infos["b"], 2, pack(too_many), namespace=namespace), timeout=60)
+    with pytest.raises(ValueError, match="register: not a packed payload of plain data: it names posix._exit"):
+        ray.get(shard.register.remote(infos["b"], 2, pack([(Bomb(), 0, 1)]), namespace=namespace), timeout=60)
+    with pytest.raises(ValueError, match=f"publish: .* over {MAX_PAYLOAD_BYTES}"):
+        ray.get(shard.publish.remote("a", 2, bytes(MAX_PAYLOAD_BYTES + 1), None, namespace=namespace), timeout=60)
+    with pytest.raises(ValueError, match="report 7 is not a dict"):
+        ray.get(shard.publish.remote("a", 2, pack(([(held[0], 5, 5)], [])), 7, namespace=namespace), timeout=60)
+    fresh = new_keys(1)
+    relayed = [("a", 2, pack(([(Bomb(), 0, 1)], [])), None), ("b", 2, pack(([(fresh[0], 1, 1)], [])), None)]
+    _, results, _ = ray.get(shard.publish_many.remote(relayed, namespace=namespace), timeout=60)
+    assert "names posix._exit" in results[0] and results[1] is True  # one relayed publish refused, alone
+
+    after = ray.get(shard.stats.remote())
+    assert pid_of(shard) == pid and after["epoch"] == before["epoch"]  # never died
+    assert (after["registers"], after["holders"]) == (before["registers"], before["holders"] + 1)
+    answer = decode_answer(ray.get(shard.query.remote(held + fresh, namespace=namespace)), 4)[0]
+    assert [h[0][:3] for h in answer] == [("a", node_id, 0), ("a", node_id, 1), ("a", node_id, 2), ("b", node_id, 1)]
+
+
+def test_a_call_that_kills_its_shard_is_not_replayed_and_the_shard_serves_on(make_link, namespace):
+    class Poison:
+        """An argument whose unpickling (Ray's, before the shard's code runs) kills the shard."""
+
+        def __reduce__(self):
+            return (os._exit, (1,))
+
+    a = make_link("a", num_shards=1)
+    keys = new_keys(5)
+    a.stored([(k, i, 1) for i, k in enumerate(keys)])
+    (shard,) = get_or_create_shards(namespace, 1)
+    wait_for(lambda: all(a.query(keys, timeout_s=30)), 30)
+    with pytest.raises(ray.exceptions.RayActorError):
+        ray.get(shard.register.remote(Poison(), 1, pack([]), namespace=namespace), timeout=60)
+    # the next incarnation is not handed the call again: it stays up, and the link's blocks are back
+    wait_for(lambda: all(a.query(keys, timeout_s=30)), 60)
+    pid = pid_of(shard)
+    assert all(decode_answer(ray.get(shard.query.remote(keys, namespace=namespace), timeout=60), len(keys))[0])
+    assert pid_of(shard) == pid
+
