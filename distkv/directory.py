@@ -906,10 +906,12 @@ class DirectoryLink:
         else:
             known = self._infos
             for replica_id, info in infos.items():
-                if replica_id not in known:
-                    if len(known) >= MAX_REPLICA_INFOS:
-                        del known[next(iter(known))]
-                    known[replica_id] = info
+                # every answer brings its replicas' infos as they are now (a replica restarted
+                # under its id on another node, or with another pool): kept as the newest
+                known.pop(replica_id, None)
+                if len(known) >= MAX_REPLICA_INFOS:
+                    del known[next(iter(known))]
+                known[replica_id] = info
             own = self.info.replica_id
             for key, key_holders in zip(keys, holders):
                 answers[key] = tuple(Holder._make(h) for h in key_holders if h[0] != own)

@@ -137,6 +137,30 @@ def test_answers_expire_and_the_key_is_asked_again(shards):
     assert link.view[key(1)] == (Holder("b", "node-2", 0, 7),)
 
 
+def test_a_holder_restarted_under_its_id_is_looked_for_at_its_new_place(shards):
+    hold(shards, [key(1)])
+    link = make_link(shards)
+    stepper = started(link)
+    ask(link, key(1))
+    link.end_step()
+    stepper.step(0.0)
+    for shard in shards:
+        shard.answer(("query",))
+    stepper.step(0.0)
+    assert link.replica("b") == OTHER
+    moved = ReplicaInfo("b", "node-3", "distkv-ns-b", 128, 2, 8192)  # b restarted on another node, with another pool
+    hold(shards, [key(1)], moved)
+    stepper.step(directory.ANSWER_TTL_S)
+    ask(link, key(1))
+    link.end_step()
+    stepper.step(0.0)
+    for shard in shards:
+        shard.answer(("query",))
+    stepper.step(0.0)
+    assert link.view[key(1)] == (Holder("b", "node-3", 0, 7),)
+    assert link.replica("b") == moved
+
+
 def test_the_replicas_own_holders_are_not_answered(shards):
     link = make_link(shards, "a")
     stepper = started(link)
