@@ -54,6 +54,9 @@ logger = logging.getLogger(__name__)
 SMALL_CALL_RETRIES = 3
 # How often a shard reads Ray's node table to drop the holders on dead nodes.
 NODE_POLL_S = 1.0
+# How long a replica at start waits for its Directory's first shard to say how many shards
+# it was made of.
+SHARD_COUNT_TIMEOUT_S = 30.0
 # A replica not heard from for this long is dropped; links heartbeat every 0.5 s.
 REPLICA_TIMEOUT_S = 10.0
 # The concurrency group of `changes`: the followers' long polls, on their own thread and
@@ -77,12 +80,15 @@ class DirectoryShard:
     (`SnapshotBuilder`), and shared by the followers that need one meanwhile.
     """
 
-    def __init__(self, replica_timeout_s: float = REPLICA_TIMEOUT_S, namespace: str = "", shard: int = 0) -> None:
+    def __init__(
+        self, replica_timeout_s: float = REPLICA_TIMEOUT_S, namespace: str = "", shard: int = 0, num_shards: int = 1
+    ) -> None:
         self._state = DirectoryState()
         self._replica_timeout_s = replica_timeout_s
         self._lateness = Lateness(replica_timeout_s)
         self._namespace = namespace
         self._shard = shard
+        self._num_shards = num_shards
         self._metrics = metrics.DirectorySource(self._state, namespace, shard, metrics.this_node())
         metrics.register(self._metrics)
         self._lock = threading.Lock()
@@ -266,6 +272,10 @@ class DirectoryShard:
         """The registered replicas with their latest reports; see `DirectoryState.replicas`."""
         return self._state.replicas()
 
+    async def num_shards(self) -> int:
+        """How many shards this shard's namespace's Directory was made of (`get_or_create_shards`)."""
+        return self._num_shards
+
     def _check(self, namespace: str) -> None:
         check_namespace(self._namespace, namespace, f"directory shard {shard_name(self._namespace, self._shard)}")
 
@@ -413,17 +423,22 @@ def get_or_create_shards(
 ) -> list[ray.actor.ActorHandle]:
     """The handles of every shard of `namespace`'s Directory, creating those that do not exist.
 
-    `replica_timeout_s` applies only to shards this call creates. A shard is placed by
-    `shard_nodes` with a soft affinity: a hard one would leave it unschedulable once its
-    node died, while a soft one lets Ray restart it on any live node.
+    The first shard records `num_shards` when it is made: a ValueError naming both counts
+    if the namespace's Directory was made of another number of shards (replicas of one
+    namespace that placed keys over different counts would miss each other's blocks), and
+    no other shard is made then. `replica_timeout_s` applies only to shards this call
+    creates. A shard is placed by `shard_nodes` with a soft affinity: a hard one would
+    leave it unschedulable once its node died, while a soft one lets Ray restart it on any
+    live node.
     """
     if not isinstance(num_shards, int) or num_shards < 1:
         raise ValueError(f"num_shards={num_shards!r}: must be a positive int")
     if not isinstance(namespace, str) or not namespace:
         raise ValueError(f"namespace={namespace!r}: must be a non-empty str")
     nodes = shard_nodes(ray.nodes(), num_shards)
-    return [
-        DirectoryShard.options(
+
+    def shard_actor(shard: int) -> ray.actor.ActorHandle:
+        return DirectoryShard.options(
             name=shard_name(namespace, shard),
             namespace=RAY_NAMESPACE,
             get_if_exists=True,
@@ -435,10 +450,28 @@ def get_or_create_shards(
             # (one that kills each incarnation stops there); the bulk ones are not replayed
             # (`DirectoryShard.register`)
             max_task_retries=SMALL_CALL_RETRIES,
-            scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=True),
-        ).remote(replica_timeout_s, namespace, shard)
-        for shard, node_id in enumerate(nodes)
-    ]
+            scheduling_strategy=NodeAffinitySchedulingStrategy(nodes[shard], soft=True),
+        ).remote(replica_timeout_s, namespace, shard, num_shards)
+
+    first = shard_actor(0)
+    check_shard_count(namespace, num_shards, first)
+    return [first] + [shard_actor(shard) for shard in range(1, num_shards)]
+
+
+def check_shard_count(namespace: str, num_shards: int, first: ray.actor.ActorHandle) -> None:
+    """Refuse (ValueError) `num_shards` for `namespace` if its Directory's first shard was made
+    with another count; a warning, and no check, if it does not say within SHARD_COUNT_TIMEOUT_S."""
+    try:
+        made_of = ray.get(first.num_shards.remote(), timeout=SHARD_COUNT_TIMEOUT_S)
+    except Exception as e:
+        logger.warning("directory: shard 0 of %s did not say how many shards it has (%s): not checked", namespace, e)
+        return
+    if made_of != num_shards:
+        raise ValueError(
+            f"directory_shards={num_shards} for cache namespace {namespace!r}, whose Directory has {made_of} shards: "
+            f"every replica of a namespace must use the same directory_shards (set it to {made_of}, or move the "
+            "replicas to the new count together)"
+        )
 
 
 def find_shards(namespace: str, num_shards: int) -> list[ShardActorClient]:

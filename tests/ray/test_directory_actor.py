@@ -20,7 +20,7 @@ from distkv.directory import (
 )
 from distkv.directory_answer import decode_answer
 from distkv.directory_state import MAX_CALL_KEYS, MAX_PAYLOAD_BYTES
-from distkv.names import segment_name
+from distkv.names import RAY_NAMESPACE, segment_name, shard_name
 from distkv.query_channel import QueryChannel
 from ray_actors.directory import (
     FOLLOWERS_GROUP,
@@ -454,4 +454,17 @@ def test_a_call_that_kills_its_shard_is_not_replayed_and_the_shard_serves_on(mak
     pid = pid_of(shard)
     assert all(decode_answer(ray.get(shard.query.remote(keys, namespace=namespace), timeout=60), len(keys))[0])
     assert pid_of(shard) == pid
+
+
+# ---- a namespace's shard count, and one node watcher for every shard (issue 31) --------
+
+
+def test_a_replica_of_another_shard_count_is_refused_at_start_naming_both(namespace):
+    get_or_create_shards(namespace, 2)
+    for other in (1, 3):
+        with pytest.raises(ValueError, match=f"directory_shards={other} for cache namespace .* has 2 shards"):
+            get_or_create_shards(namespace, other)
+    with pytest.raises(ValueError):  # the refused call made no shard of its own
+        ray.get_actor(shard_name(namespace, 2), namespace=RAY_NAMESPACE)
+    assert len(get_or_create_shards(namespace, 2)) == 2
 
