@@ -750,7 +750,12 @@ class DirectoryState:
 
     def drop_node(self, node_id: str) -> list[str]:
         """Drop every replica on a node (it died) with its holders; the ids of those dropped."""
-        dropped = [r for r in self._replicas.values() if r.info.node_id == node_id]
+        return self.drop_nodes(frozenset((node_id,)))
+
+    def drop_nodes(self, node_ids: frozenset[str]) -> list[str]:
+        """Drop every replica on any of `node_ids` (they died) with its holders, in one pass
+        over the replicas; the ids of those dropped."""
+        dropped = [r for r in self._replicas.values() if r.info.node_id in node_ids]
         for replica in dropped:
             self._drop(replica)
         self._ops["dropped_replicas"] += len(dropped)

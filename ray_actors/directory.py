@@ -6,8 +6,10 @@ affinity: when its node dies Ray restarts it on another one. Long polls for chan
 an event, on an event loop of their own (a concurrency group), so that neither their waiting
 nor the packing of their answers holds up registers, publishes and queries. Queries also
 come over the shard's `QueryServer` (`distkv.query_channel`), answered on the default loop
-too. A restarted shard starts empty with a new epoch; the replicas' links notice and
-publish everything again. `shard_clients` hands a replica's `DirectoryLink` its shards as
+too. A shard drops the holders on nodes that died as the cluster's one `NodeWatcher`
+reports them (`ray_actors.node_watcher`), and reads no node table itself. A restarted
+shard starts empty with a new epoch; the replicas' links notice and publish everything
+again. `shard_clients` hands a replica's `DirectoryLink` its shards as
 the `ShardClient`s it calls.
 """
 
@@ -46,14 +48,17 @@ from distkv.directory_state import (
 from distkv.directory_answer import encode_answer
 from distkv.names import RAY_NAMESPACE, check_pool_namespace, parse_shard_name, shard_name
 from distkv.query_channel import TOKEN_BYTES, QueryChannel, QueryServer, channel_allowed
+from ray_actors.node_watcher import node_watcher
 
 logger = logging.getLogger(__name__)
 
 # How many times a small call (not a register, publish or query) in flight when its shard
 # dies is sent again to the shard's next incarnations: one restart needs one.
 SMALL_CALL_RETRIES = 3
-# How often a shard reads Ray's node table to drop the holders on dead nodes.
-NODE_POLL_S = 1.0
+# How often a shard expires its silent replicas.
+WATCH_EVERY_S = 1.0
+# How long a shard's poll of the cluster's NodeWatcher waits for a change of the dead nodes.
+DEAD_NODES_POLL_S = 30.0
 # How long a replica at start waits for its Directory's first shard to say how many shards
 # it was made of.
 SHARD_COUNT_TIMEOUT_S = 30.0
@@ -102,6 +107,7 @@ class DirectoryShard:
         defer_full_collections()
         self._collections = ShardCollections(time.monotonic())
         self._watcher = self._loop.create_task(self._watch())
+        self._dead_nodes = self._loop.create_task(self._follow_dead_nodes())
         self._query_token = secrets.token_bytes(TOKEN_BYTES)
         self._query_address: asyncio.Task | None = None
         if channel_allowed():
@@ -307,27 +313,41 @@ class DirectoryShard:
         self._changed = asyncio.Event()
 
     async def _watch(self) -> None:
-        """Drop replicas on nodes Ray reports dead, and replicas that stopped heartbeating
-        (silent past their timeout and past how late this shard has been running)."""
-        loop = asyncio.get_running_loop()
+        """Drop replicas that stopped heartbeating (silent past their timeout and past how
+        late this shard has been running)."""
         while True:
-            due = time.monotonic() + NODE_POLL_S
-            await asyncio.sleep(NODE_POLL_S)
+            due = time.monotonic() + WATCH_EVERY_S
+            await asyncio.sleep(WATCH_EVERY_S)
             self._lateness.woke(due, time.monotonic())
             self._collections.step(time.monotonic())
-            try:
-                nodes = await loop.run_in_executor(None, ray.nodes)
-            except Exception as e:
-                logger.warning("directory: reading Ray's node table failed: %s", e)
-                nodes = []
             with self._lock:
                 before = self._state.cursor()
-                for node in nodes:
-                    if not node["Alive"]:
-                        self._state.drop_node(node["NodeID"])
                 # a heartbeat may have waited in the queue as long as this wake-up ran late
                 self._state.expire(time.monotonic(), self._replica_timeout_s + self._lateness.worst())
                 self._state.drop_stale_snapshot()
+            self._after_change(before)
+
+    async def _follow_dead_nodes(self) -> None:
+        """Drop the replicas on nodes the cluster's NodeWatcher reports dead, as it reports
+        them (and again every DEAD_NODES_POLL_S: a register from a node that died meanwhile)."""
+        loop = asyncio.get_running_loop()
+        watcher, seen, failures = None, None, 0
+        while True:
+            try:
+                if watcher is None:
+                    watcher = await loop.run_in_executor(None, node_watcher)  # asks Ray's GCS
+                seen, dead = await watcher.dead_nodes.remote(seen, DEAD_NODES_POLL_S)
+            except Exception as e:  # the watcher's owner went, and it with it: another one
+                failures += 1
+                if failures == 1:
+                    logger.warning("directory: following the node watcher failed, asking again: %s", e)
+                watcher = None
+                await asyncio.sleep(min(DEAD_NODES_POLL_S, WATCH_EVERY_S * failures))
+                continue
+            failures = 0
+            with self._lock:
+                before = self._state.cursor()
+                self._state.drop_nodes(frozenset(dead))
             self._after_change(before)
 
 

@@ -20,12 +20,12 @@ from distkv.directory import (
 )
 from distkv.directory_answer import decode_answer
 from distkv.directory_state import MAX_CALL_KEYS, MAX_PAYLOAD_BYTES
-from distkv.names import RAY_NAMESPACE, segment_name, shard_name
+from distkv.names import NODE_WATCHER_NAME, RAY_NAMESPACE, segment_name, shard_name
 from distkv.query_channel import QueryChannel
 from ray_actors.directory import (
     FOLLOWERS_GROUP,
     MAX_FOLLOWERS,
-    NODE_POLL_S,
+    WATCH_EVERY_S,
     DirectoryShard,
     ShardActorClient,
     get_or_create_shards,
@@ -212,9 +212,9 @@ def test_a_shard_stopped_past_the_timeout_expires_no_live_replica(make_link, nam
         time.sleep(2 * timeout_s)
     finally:
         os.kill(pid, signal.SIGCONT)
-    # the shard's watcher runs every NODE_POLL_S: give it a few rounds after the stop
+    # the shard expires its silent replicas every WATCH_EVERY_S: give it a few rounds after the stop
     wait_for(lambda: ray.get(shard.stats.remote())["publishes"] > 0, 10)
-    time.sleep(3 * NODE_POLL_S)
+    time.sleep(3 * WATCH_EVERY_S)
     stats = ray.get(shard.stats.remote())
     assert stats["expired_replicas"] == 0, stats
     assert stats["registers"] == 2, stats  # nobody had to register again
@@ -468,3 +468,29 @@ def test_a_replica_of_another_shard_count_is_refused_at_start_naming_both(namesp
         ray.get_actor(shard_name(namespace, 2), namespace=RAY_NAMESPACE)
     assert len(get_or_create_shards(namespace, 2)) == 2
 
+
+def test_every_shard_follows_the_cluster_s_one_node_watcher_and_reads_no_node_table(namespace):
+    def count_node_table_reads(self) -> None:
+        import ray as ray_in_shard
+
+        reads, read = [], ray_in_shard.nodes
+
+        def counted(*args, **kwargs):
+            reads.append(1)
+            return read(*args, **kwargs)
+
+        ray_in_shard.nodes = counted
+        self.node_table_reads = reads
+
+    shards = get_or_create_shards(namespace, 2) + get_or_create_shards(namespace + "x", 1)
+    try:
+        ray.get([shard.__ray_call__.remote(count_node_table_reads) for shard in shards], timeout=60)
+        watcher = ray.get_actor(NODE_WATCHER_NAME, namespace=RAY_NAMESPACE)
+        first = ray.get(watcher.reads.remote(), timeout=60)
+        wait_for(lambda: ray.get(watcher.reads.remote()) >= first + 3, 60)
+        reads = ray.get([shard.__ray_call__.remote(lambda self: len(self.node_table_reads)) for shard in shards])
+        assert reads == [0, 0, 0]
+        watchers = [a for a in ray.util.list_named_actors(all_namespaces=True) if a["name"] == NODE_WATCHER_NAME]
+        assert len(watchers) == 1
+    finally:
+        kill_shards(namespace + "x")
