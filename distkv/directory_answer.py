@@ -4,17 +4,21 @@ A query's answer (each key's holders, and the `ReplicaInfo` of every replica the
 one format however it travels, as what the shard's Ray method `query` returns or over its
 query channel (`distkv.query_channel`), and one reader, `decode_answer`: msgpack of lists,
 ints, strs and bytes, every size bounded and every field checked, so that whoever answers
-can at worst answer wrongly, never run code or exhaust the asker. A holder crosses as (index
-of its replica among those named, row, generation); its node is its replica's, as a shard
-keeps it (`DirectoryState.publish` takes a holder's node from its replica's info).
+can at worst answer wrongly, never run code or exhaust the asker. The holders cross as two
+little-endian arrays, each key's count (u32) and each holder's (index of its replica among
+those named, row, generation) (u64), read and checked whole (numpy); a holder's node is its
+replica's, as a shard keeps it (`DirectoryState.publish` takes a holder's node from its
+replica's info).
 """
 
 from __future__ import annotations
 
+import itertools
 import struct
 from collections.abc import Mapping, Sequence
 
 import msgpack
+import numpy as np
 
 from distkv.directory_state import HolderFields, ReplicaInfo
 from distkv.rdma import PoolEndpoint
@@ -26,6 +30,9 @@ MAX_NAME_BYTES = 1 << 12
 MAX_ENDPOINT_BYTES = 1 << 20
 
 ANSWER_FORMAT = 1
+# the holders' count of each key, and each holder's (index of its replica, row, generation)
+_COUNT = np.dtype("<u4")
+_FIELD = np.dtype("<u8")
 _REPLICA_FIELDS = 8  # ReplicaInfo's, in order, the endpoint as `encode_endpoint` makes it
 _ENDPOINT_HEAD = struct.Struct("<QQH")  # address, nbytes, length of the agent's name
 
@@ -46,6 +53,8 @@ def decode_endpoint(data: object) -> PoolEndpoint | None:
     """The endpoint `encode_endpoint` made `data` from; AnswerError if it made none."""
     if data is None:
         return None
+    if type(data) is bytes and len(data) > MAX_ENDPOINT_BYTES:
+        raise AnswerError(f"a query answer's endpoint of {len(data)} bytes, over {MAX_ENDPOINT_BYTES}")
     if type(data) is not bytes or len(data) < _ENDPOINT_HEAD.size:
         raise AnswerError(f"a query answer's endpoint {data!r:.80} is not an encoded PoolEndpoint")
     address, nbytes, name_bytes = _ENDPOINT_HEAD.unpack_from(data)
@@ -75,7 +84,8 @@ def encode_answer(holders: Sequence[tuple[HolderFields, ...]], infos: Mapping[st
         counts.append(len(key_holders))
         for replica_id, _, row, generation in key_holders:
             flat += (index[replica_id], row, generation)
-    return msgpack.packb([ANSWER_FORMAT, replicas, counts, flat])
+    counts_bytes = np.array(counts, dtype=_COUNT).tobytes()
+    return msgpack.packb([ANSWER_FORMAT, replicas, counts_bytes, np.array(flat, dtype=_FIELD).tobytes()])
 
 
 def decode_answer(data: object, num_keys: int) -> tuple[list[tuple[HolderFields, ...]], dict[str, ReplicaInfo]]:
@@ -87,42 +97,40 @@ def decode_answer(data: object, num_keys: int) -> tuple[list[tuple[HolderFields,
         raise AnswerError(f"a query answer of {len(data)} bytes, over {MAX_ANSWER_BYTES}")
     try:
         message = msgpack.unpackb(
-            data, raw=False, strict_map_key=True, max_str_len=MAX_NAME_BYTES, max_bin_len=MAX_ENDPOINT_BYTES,
-            max_map_len=0, max_ext_len=0,
+            data, raw=False, max_str_len=MAX_NAME_BYTES, max_bin_len=MAX_ANSWER_BYTES, max_map_len=0, max_ext_len=0
         )
     except Exception as e:
         raise AnswerError(f"a query answer that is not msgpack of this format: {type(e).__name__}: {e}") from None
     if type(message) is not list or len(message) != 4 or message[0] != ANSWER_FORMAT:
         raise AnswerError(f"not a query answer of format {ANSWER_FORMAT}: {message!r:.80}")
-    _, replicas, counts, flat = message
-    if type(replicas) is not list or type(counts) is not list or type(flat) is not list:
-        raise AnswerError("a query answer whose replicas, counts or holders are not lists")
-    if len(counts) != num_keys:
-        raise AnswerError(f"an answer of {len(counts)} keys to a query of {num_keys}")
-    if not all(type(n) is int and n >= 0 for n in counts) or 3 * sum(counts) != len(flat):
-        raise AnswerError(f"a query answer whose counts of holders do not add up to its {len(flat) // 3} holders")
-    if not all(type(n) is int for n in flat):
-        raise AnswerError("a query answer whose holders are not all ints")
+    _, replicas, counts_bytes, fields_bytes = message
+    if type(replicas) is not list or type(counts_bytes) is not bytes or type(fields_bytes) is not bytes:
+        raise AnswerError("a query answer whose replicas are not a list, or whose counts or holders are not bytes")
+    if len(counts_bytes) != num_keys * _COUNT.itemsize:
+        raise AnswerError(f"an answer of {len(counts_bytes) / _COUNT.itemsize:g} keys to a query of {num_keys}")
+    counts = np.frombuffer(counts_bytes, _COUNT)
+    if len(fields_bytes) != 3 * _FIELD.itemsize * int(counts.sum(dtype=np.uint64)):
+        raise AnswerError(f"a query answer whose counts of holders do not add up to its {len(fields_bytes) // 24} holders")
     named = [_replica_info(fields) for fields in replicas]
     infos = {info.replica_id: info for info in named}
     if len(infos) != len(named):
         raise AnswerError("a query answer that names a replica twice")
-    holders: list[tuple[HolderFields, ...]] = []
-    at = 0
-    for count in counts:
-        end = at + 3 * count
-        key_holders = []
-        for i in range(at, end, 3):
-            replica, row, generation = flat[i], flat[i + 1], flat[i + 2]
-            if not 0 <= replica < len(named):
-                raise AnswerError(f"a query answer's holder names replica {replica} of {len(named)}")
-            info = named[replica]
-            if not 0 <= row < info.num_rows:
-                raise AnswerError(f"a query answer's holder {info.replica_id!r} is in row {row} of a pool of {info.num_rows}")
-            key_holders.append((info.replica_id, info.node_id, row, generation))
-        at = end
-        holders.append(tuple(key_holders))
-    return holders, infos
+    fields = np.frombuffer(fields_bytes, _FIELD).reshape(-1, 3)
+    if len(fields):
+        replica = fields[:, 0]
+        if int(replica.max()) >= len(named):
+            raise AnswerError(f"a query answer's holder names replica {int(replica.max())} of {len(named)}")
+        num_rows = np.array([info.num_rows for info in named], dtype=_FIELD)
+        outside = np.flatnonzero(fields[:, 1] >= num_rows[replica])
+        if len(outside):
+            info, row = named[int(replica[outside[0]])], int(fields[outside[0], 1])
+            raise AnswerError(f"a query answer's holder {info.replica_id!r} is in row {row} of a pool of {info.num_rows}")
+    ids, nodes = [info.replica_id for info in named], [info.node_id for info in named]
+    each = [(ids[replica], nodes[replica], row, generation) for replica, row, generation in fields.tolist()]
+    if len(each) == num_keys and (not num_keys or counts.min() == 1):  # one holder a key, the common case
+        return [(holder,) for holder in each], infos
+    taken = iter(each)
+    return [tuple(itertools.islice(taken, count)) for count in counts.tolist()], infos
 
 
 def _replica_info(fields: object) -> ReplicaInfo:

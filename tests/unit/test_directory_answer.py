@@ -4,12 +4,14 @@ anything else with a clear error and never runs what it reads (no Ray)."""
 import pickle
 
 import msgpack
+import numpy as np
 import pytest
 from directory_fakes import key
 
 from distkv.directory_answer import (
     ANSWER_FORMAT,
     MAX_ANSWER_BYTES,
+    MAX_ENDPOINT_BYTES,
     MAX_NAME_BYTES,
     AnswerError,
     decode_answer,
@@ -48,9 +50,15 @@ def test_an_endpoint_crosses_as_it_was(endpoint):
 
 
 def message(replicas=None, counts=(1,), flat=(0, 5, 9), fmt=ANSWER_FORMAT) -> bytes:
+    """An answer's msgpack as its parts say: `counts` and `flat` as lists of ints become the
+    arrays they cross as, anything else crosses as it is."""
     if replicas is None:
         replicas = [["a", "node-1", "distkv-ns-a", 64, 2, 4096, 0, None]]
-    return msgpack.packb([fmt, replicas, list(counts), list(flat)])
+    if isinstance(counts, tuple):
+        counts = np.array(counts, dtype="<u4").tobytes()
+    if isinstance(flat, tuple):
+        flat = np.array(flat, dtype="<u8").tobytes()
+    return msgpack.packb([fmt, replicas, counts, flat])
 
 
 EXPLODED: list[bool] = []
@@ -77,9 +85,10 @@ REFUSED = [
     (message(fmt=2), 1, "format 1"),
     (message(), 2, "an answer of 1 keys to a query of 2"),
     (message(counts=(2,)), 1, "do not add up"),
-    (message(counts=(-1,), flat=()), 1, "do not add up"),
-    (message(flat=(0, 5, "9")), 1, "not all ints"),
-    (message(flat=(0, True, 9)), 1, "not all ints"),
+    (message(counts=(1,), flat=(0, 5)), 1, "do not add up"),
+    (message(counts=[1]), 1, "counts or holders are not bytes"),
+    (message(flat=[0, 5, 9]), 1, "counts or holders are not bytes"),
+    (message(counts=b"\1\0\0"), 1, "an answer of 0.75 keys"),
     (message(flat=(1, 5, 9)), 1, "names replica 1 of 1"),
     (message(flat=(0, 64, 9)), 1, "row 64 of a pool of 64"),
     (message(replicas=[["a", "node-1", "pool", 64, 2, 4096, 0]]), 1, "not a list of 8 fields"),
@@ -89,6 +98,7 @@ REFUSED = [
     (message(replicas=[["a" * (MAX_NAME_BYTES + 1), "n", "p", 64, 2, 4096, 0, None]]), 1, "not msgpack"),
     (message(replicas=[["a", "node-1", "p", 64, 2, 4096, 0, b"short"]]), 1, "not an encoded PoolEndpoint"),
     (message(replicas=[["a", "node-1", "p", 64, 2, 4096, 0, "text"]]), 1, "not an encoded PoolEndpoint"),
+    (message(replicas=[["a", "node-1", "p", 64, 2, 4096, 0, bytes(MAX_ENDPOINT_BYTES + 1)]]), 1, "endpoint of .* over"),
 ]
 
 
