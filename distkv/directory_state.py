@@ -231,6 +231,10 @@ def prefix_root(
     return root
 
 
+# A slot's generation is a u64 of its header (`distkv.pool`), and crosses in answers as one.
+MAX_GENERATION = 1 << 64
+
+
 def check_stored(entries: Iterable[object], num_rows: int) -> None:
     """Raise ValueError naming the first entry that is not a (key, row, generation) of a pool of `num_rows`."""
     for entry in entries:
@@ -243,6 +247,7 @@ def check_stored(entries: Iterable[object], num_rows: int) -> None:
             and type(entry[1]) is int
             and 0 <= entry[1] < num_rows
             and type(entry[2]) is int
+            and 0 <= entry[2] < MAX_GENERATION
         ):
             continue
         try:
@@ -254,8 +259,8 @@ def check_stored(entries: Iterable[object], num_rows: int) -> None:
             raise ValueError(problem)
         if not isinstance(row, int) or not 0 <= row < num_rows:
             raise ValueError(f"stored entry {entry!r}: row {row!r} is not an int in 0..{num_rows - 1}")
-        if not isinstance(generation, int):
-            raise ValueError(f"stored entry {entry!r}: generation {generation!r} is not an int")
+        if not isinstance(generation, int) or not 0 <= generation < MAX_GENERATION:
+            raise ValueError(f"stored entry {entry!r}: generation {generation!r} is not an int in 0..2**64-1")
 
 
 def _with_holder(current: tuple[HolderFields, ...] | None, holder: HolderFields) -> tuple[HolderFields, ...]:

@@ -7,6 +7,7 @@ import pickle
 import pytest
 from directory_fakes import key
 
+from distkv.directory_answer import decode_answer, encode_answer
 from distkv.directory_state import (
     MAX_CALL_KEYS,
     MAX_PAYLOAD_BYTES,
@@ -95,3 +96,15 @@ def test_a_relay_s_call_of_more_publishes_than_a_call_carries_is_refused_whole()
     with pytest.raises(ValueError, match=f"over {MAX_RELAYED_PUBLISHES}"):
         state.publish_relayed([item] * (MAX_RELAYED_PUBLISHES + 1))
     assert state.query([key(1)]) == [()]
+
+
+@pytest.mark.parametrize("generation", [-1, 2**64])
+def test_a_generation_outside_a_slot_s_u64_is_refused_so_that_every_answer_encodes(generation):
+    """An answer carries generations as u64: one outside would fail every answer naming it."""
+    state = DirectoryState()
+    state.register(A)
+    state.publish("a", 1, [(key(1), 0, 1)], [])
+    with pytest.raises(ValueError, match=f"generation {generation} is not an int in 0..2\\*\\*64-1"):
+        state.publish("a", 2, [(key(2), 1, generation)], [])
+    holders, infos = state.answer([key(1), key(2)])
+    assert decode_answer(encode_answer(holders, infos), 2)[0] == [(("a", "node-1", 0, 1),), ()]
