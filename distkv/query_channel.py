@@ -341,7 +341,8 @@ def client_handshake(sock: socket.socket, token: bytes, namespace: str) -> Sessi
     Session once the server welcomed it. UnprovenError if the server does not prove it
     holds `token`, RefusedError if it refuses the connection (the reason its message)."""
     if type(token) is not bytes or len(token) != TOKEN_BYTES:
-        raise ValueError(f"a token of {len(token) if isinstance(token, bytes) else type(token).__name__}: must be {TOKEN_BYTES} bytes")
+        what = f"{len(token)} bytes" if isinstance(token, bytes) else f"a {type(token).__name__}"
+        raise ValueError(f"the shard's token is {what}, not {TOKEN_BYTES} bytes")
     name = namespace.encode()
     client_nonce = secrets.token_bytes(NONCE_BYTES)
     sock.sendall(_frame(client_nonce + name))
