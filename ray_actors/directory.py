@@ -78,7 +78,8 @@ class DirectoryShard:
     """One shard of the Directory. Every method returns promptly except `changes`.
 
     Bulk payloads cross as `distkv.directory.pack`ed bytes: stored entries come as a
-    packed list of (key, row, generation), changes and query answers go back packed.
+    packed list of (key, row, generation), taken in as plain data only, and changes go back
+    packed; query answers go back typed (`distkv.directory_answer`).
     `changes` runs in FOLLOWERS_GROUP, every other method on the default event loop,
     which alone changes the state; `_lock` keeps the followers' reads of it whole. A
     snapshot is collected on the default loop a step at a time between its other calls
