@@ -1,22 +1,30 @@
-"""A Directory query over the shard's query channel, against the same query as a Ray actor call.
+"""A Directory query over the shard's query channel, against the same query over gRPC and as
+a Ray actor call.
 
     python bench/query_channel.py [--calls 3000] [--rounds 3]
 
 One local Ray node and one shard holding a replica's 9,000 keys. The same queries of 90
-keys (a request's prefix, all of them hits), through `ShardActorClient.query`, which uses
-the shard's channel (`distkv.query_channel`), and as the baseline through the actor's
-`query` method, in the same run, alternating by round:
+keys (a request's prefix, all of them hits), the same typed answer back, through
+`ShardActorClient.query`, which uses the shard's channel (`distkv.query_channel`: both
+ends proven, every frame tagged), over gRPC with mutual TLS to the same shard
+(`bench/query_grpc.py`: what the channel would be with the library), and as the baseline
+through the actor's `query` method, in the same run, alternating by round (the shard's key
+budget per connection lifted: the bench asks back to back, far more than a replica does):
 - latency: one query at a time, --calls of them, p50 and p99 from sending to the answer;
 - CPU: --calls queries, 100 in flight at a time; the shard's and this driver's CPU per
-  call (psutil, user+system time, less what each uses idle), the fastest round.
+  call (psutil, user+system time, less what each uses idle), the fastest round;
+- reading one answer in the replica (`decode_answer`), against `pickle.loads` of the same
+  answer, which is how answers crossed before they were typed.
 """
 
 from __future__ import annotations
 
 import argparse
+import pickle
 import statistics
 import sys
 import time
+import timeit
 import uuid
 from concurrent.futures import wait
 from pathlib import Path
@@ -27,10 +35,13 @@ import psutil  # noqa: E402
 import ray  # noqa: E402
 
 from distkv.demo.runner import token_auth_on  # noqa: E402
-from distkv.directory import ReplicaInfo, pack, unpack  # noqa: E402
+from distkv.directory import ReplicaInfo, pack  # noqa: E402
+from distkv.directory_answer import decode_answer  # noqa: E402
+from distkv.directory_state import MAX_CALL_KEYS  # noqa: E402
 from distkv.names import RAY_NAMESPACE, segment_name  # noqa: E402
-from ray_actors.directory import ShardActorClient, get_or_create_shards, kill_shards  # noqa: E402
-from scale import PAGE_BYTES, actor_processes, connect_channels, cpu_seconds, key  # noqa: E402  (bench/, this script's directory)
+from ray_actors.directory import ShardActorClient  # noqa: E402
+import query_grpc  # noqa: E402  (bench/, this script's directory, as the next)
+from scale import PAGE_BYTES, actor_processes, connect_channels, cpu_seconds, key  # noqa: E402
 
 QUERY_KEYS = 90
 HELD_KEYS = 9000
@@ -46,7 +57,7 @@ def one_at_a_time(send, keys: list[bytes], calls: int) -> list[float]:
         start = time.perf_counter()
         answer = send(prefix).result()
         times.append(time.perf_counter() - start)
-        holders, _ = unpack(answer)
+        holders, _ = decode_answer(answer, len(prefix))
         if not all(holders):
             raise RuntimeError("a held key came back without a holder")
     return times
@@ -64,6 +75,11 @@ def cpu_per_call(send, keys: list[bytes], calls: int, processes: dict[str, psuti
     return {name: (cpu_seconds(p) - before[name] - idle[name] * wall) / sent for name, p in processes.items()}
 
 
+def best_of(call, number: int = 300, repeat: int = 20) -> float:
+    """Seconds a `call` takes, the fastest of `repeat` passes of `number` calls."""
+    return min(timeit.repeat(call, number=number, repeat=repeat)) / number
+
+
 def percentile(times: list[float], q: float) -> float:
     return statistics.quantiles(times, n=100)[int(q) - 1]
 
@@ -76,16 +92,22 @@ def main() -> None:
     token_auth_on()
     ray.init(address="local", num_cpus=2, object_store_memory=200 << 20, include_dashboard=False, namespace=RAY_NAMESPACE)
     namespace = f"bench{uuid.uuid4().hex[:8]}"
+    ray.cloudpickle.register_pickle_by_value(query_grpc)  # Ray's workers cannot import bench/
+    actor = query_grpc.start_grpc_shard(namespace, replica_timeout_s=3600.0)  # the holder never heartbeats
     try:
-        actor = get_or_create_shards(namespace, 1, replica_timeout_s=3600.0)[0]  # the holder never heartbeats
         node_id = ray.get_runtime_context().get_node_id()
         info = ReplicaInfo("holder", node_id, segment_name(namespace, "holder"), HELD_KEYS, 1, PAGE_BYTES)
         keys = [key(i) for i in range(HELD_KEYS)]
-        ray.get(actor.register.remote(info, 1, pack([(k, row, 1) for row, k in enumerate(keys)]), namespace))
+        entries = [(k, row, 1) for row, k in enumerate(keys)]
+        ray.get(actor.register.remote(info, 1, pack(entries[:MAX_CALL_KEYS]), namespace))
+        for seq, start in enumerate(range(MAX_CALL_KEYS, HELD_KEYS, MAX_CALL_KEYS), start=2):
+            ray.get(actor.publish.remote("holder", seq, pack((entries[start : start + MAX_CALL_KEYS], [])), None, namespace))
         client = ShardActorClient(actor, namespace)
         connect_channels([client.channel])
+        grpc_client = query_grpc.GrpcQueryClient(actor, namespace)
         paths = {
             "channel": lambda ks: client.query(ks, namespace),
+            "gRPC, mutual TLS": grpc_client.query,
             "Ray call (baseline)": lambda ks: actor.query.remote(ks, namespace).future(),
         }
         processes = {"shard": actor_processes("DirectoryShard", 1)[0], "driver": psutil.Process()}
@@ -111,16 +133,26 @@ def main() -> None:
                 f"{label:>20} {percentile(times, 50) * 1e6:>8.0f} {percentile(times, 99) * 1e6:>8.0f} "
                 f"{costs['shard'] * 1e6:>14.1f} {costs['driver'] * 1e6:>15.1f}"
             )
-        channel, baseline = paths.keys()
+        channel, library, baseline = paths.keys()
+        for label, against in ((channel, baseline), (library, baseline), (library, channel)):
+            print(
+                f"{label} against {against}: p50 x{percentile(latencies[label], 50) / percentile(latencies[against], 50):.2f}, "
+                f"p99 x{percentile(latencies[label], 99) / percentile(latencies[against], 99):.2f}, "
+                f"shard CPU x{cpu[label]['shard'] / cpu[against]['shard']:.2f}, "
+                f"driver CPU x{cpu[label]['driver'] / cpu[against]['driver']:.2f}"
+            )
+        answer = client.query(keys[:QUERY_KEYS], namespace).result()
+        pickled = pickle.dumps(decode_answer(answer, QUERY_KEYS), protocol=pickle.HIGHEST_PROTOCOL)
+        typed = best_of(lambda: decode_answer(answer, QUERY_KEYS))
+        unpickled = best_of(lambda: pickle.loads(pickled))
         print(
-            f"the channel against a Ray call: p50 x{percentile(latencies[channel], 50) / percentile(latencies[baseline], 50):.2f}, "
-            f"p99 x{percentile(latencies[channel], 99) / percentile(latencies[baseline], 99):.2f}, "
-            f"shard CPU x{cpu[channel]['shard'] / cpu[baseline]['shard']:.2f}, "
-            f"driver CPU x{cpu[channel]['driver'] / cpu[baseline]['driver']:.2f}"
+            f"reading one answer in the replica: decode_answer {typed * 1e6:.1f} us, against pickle.loads of the same "
+            f"answer (how answers crossed before) {unpickled * 1e6:.1f} us: x{typed / unpickled:.2f}"
         )
         client.close()
+        grpc_client.close()
     finally:
-        kill_shards(namespace)
+        ray.kill(actor)
         ray.shutdown()
 
 

@@ -116,7 +116,8 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy  # noq
 from distkv.abstract import ReqContext, make_offload_key  # noqa: E402
 from distkv.demo.runner import token_auth_on  # noqa: E402
 from distkv.directory import Changes, Cursor, DirectoryState, Publisher, ReplicaInfo, ShardView, pack, shard_of, unpack  # noqa: E402
-from distkv.directory_state import YOUNG_COLLECTION_KEYS, ShardCollections, defer_full_collections  # noqa: E402
+from distkv.directory_answer import decode_answer, encode_answer  # noqa: E402
+from distkv.directory_state import YOUNG_COLLECTION_KEYS, ShardCollections, defer_full_collections, unpack_changes  # noqa: E402
 from distkv.errors import ErrorLog  # noqa: E402
 from distkv.names import segment_name  # noqa: E402
 from distkv.query_channel import QueryChannel  # noqa: E402
@@ -189,7 +190,7 @@ class StateBench:
 
     def publish(self, payload: bytes, replica: int) -> None:
         """The shard's work for one publish call."""
-        stored, removed = unpack(payload)
+        stored, removed = unpack_changes(payload, "publish")
         name = f"r{replica}"
         self.seq[name] += 1
         self.state.publish(name, self.seq[name], stored, removed)
@@ -221,17 +222,17 @@ class StateBench:
         return calls * 2 * CHUNK / elapsed, worst
 
     def query_rate(self, calls: int) -> float:
-        """Keys/s of query calls of QUERY_BATCH held keys each (the answer packed)."""
+        """Keys/s of query calls of QUERY_BATCH held keys each (the answer encoded)."""
         rng = random.Random(calls)
         batches = [
             [key(rng.randrange(self.first * CHUNK, self.end * CHUNK)) for _ in range(QUERY_BATCH)] for _ in range(calls)
         ]
-        query = self.state.query
+        answer_of = self.state.answer
         start = time.thread_time()
         for batch in batches:
-            answer = pack(query(batch))
+            answer = encode_answer(*answer_of(batch))
         elapsed = time.thread_time() - start
-        if not all(unpack(answer)):
+        if not all(decode_answer(answer, QUERY_BATCH)[0]):
             raise RuntimeError("a held key has no holder")
         return calls * QUERY_BATCH / elapsed
 
@@ -807,7 +808,9 @@ class LoadGenerator:
         answers, clock = self.answers, self.clock
         for s, shard_keys in by_shard.items():
             future = self.clients[s].query(shard_keys, self.namespace)
-            future.add_done_callback(lambda f, request=request: answers.append((request, clock(), _hits(f))))
+            future.add_done_callback(
+                lambda f, request=request, asked=len(shard_keys): answers.append((request, clock(), _hits(f, asked)))
+            )
 
     def latencies(self) -> list[float]:
         """Seconds from each answered request's sending to its last answer."""
@@ -849,10 +852,10 @@ def _no_wake() -> None:
     """A generator's publishers are stepped on its schedule, not woken by their calls."""
 
 
-def _hits(future: Future) -> int:
-    """Keys of a query call's answer that have a holder; -1 if the call failed."""
+def _hits(future: Future, asked: int) -> int:
+    """Keys of a query call's answer (to `asked` keys) that have a holder; -1 if the call failed."""
     try:
-        return sum(1 for holders in unpack(future.result())[0] if holders)
+        return sum(1 for holders in decode_answer(future.result(), asked)[0] if holders)
     except Exception:
         return -1
 

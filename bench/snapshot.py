@@ -27,13 +27,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runs from a chec
 import ray  # noqa: E402
 
 from distkv.demo.runner import token_auth_on  # noqa: E402
-from distkv.directory_state import ReplicaInfo, pack, unpack  # noqa: E402
+from distkv.directory_state import MAX_CALL_KEYS, ReplicaInfo, pack, unpack  # noqa: E402
 from distkv.names import segment_name  # noqa: E402
 from ray_actors.directory import get_or_create_shards, kill_shards  # noqa: E402
 
 MiB = 1 << 20
 ROWS = 1 << 20
-CHUNK = 1 << 14  # keys a publish of the fill
+CHUNK = MAX_CALL_KEYS  # keys a publish of the fill: the most a shard takes in a call
 PROBE_EVERY_S = 0.002
 AFTER_S = 0.5  # the queries go on this long past the snapshot
 

@@ -32,8 +32,10 @@ from typing import Protocol
 
 from distkv.abstract import OffloadKey
 from distkv.config import DIRECTORY_VIEWS
+from distkv.directory_answer import decode_answer
 from distkv.directory_state import (
     FLUSH_INTERVAL_S,
+    MAX_CALL_KEYS,
     ChangeLog,
     Changes,
     Cursor,
@@ -94,7 +96,8 @@ class ShardClient(Protocol):
         """Future of the packed `Changes` after `cursor`, once there is news for `follower` or after `timeout_s`."""
 
     def query(self, keys: Sequence[OffloadKey], namespace: str) -> Future:
-        """Future of the packed (holders of each key, ReplicaInfo of each replica they name)."""
+        """Future of the (holders of each key, ReplicaInfo of each replica they name), as
+        `distkv.directory_answer.encode_answer` makes it: MAX_BATCH_KEYS keys at most."""
 
     def cancel(self, future: Future) -> None:
         """Best effort: stop the call `future` answers (a long poll no one waits for any more)."""
@@ -137,11 +140,11 @@ RESYNC_JITTER_S = 0.5
 # there, are dropped for a re-register with everything it holds: while a shard is down,
 # the removals would pile up without bound, and re-registering says the same in fewer keys.
 MAX_PENDING_KEYS = 1 << 16
-# A register or publish carries at most this many keys; the rest follow in the next
-# batches. A re-register after a shard's restart would otherwise carry the replica's
-# whole pool in one call and one log entry, which the shard checks, logs and pickles
-# for every follower on its one thread while every other call waits.
-MAX_BATCH_KEYS = 1 << 12
+# A register, publish or query carries at most this many keys (all a shard takes in one
+# call); the rest follow in the next batches. A re-register after a shard's restart would
+# otherwise carry the replica's whole pool in one call and one log entry, which the shard
+# checks, logs and pickles for every follower on its one thread while every other call waits.
+MAX_BATCH_KEYS = MAX_CALL_KEYS
 MAX_BACKOFF_S = 2.0
 CLOSE_TIMEOUT_S = 2.0
 
@@ -583,7 +586,7 @@ class Querier:
 
     def _done(self, future: Future, now: float) -> None:
         try:
-            holders, infos = unpack(future.result())
+            holders, infos = decode_answer(future.result(), len(self.asked))
         except Exception as e:
             self._failed(e, now)
             return
@@ -836,8 +839,8 @@ class DirectoryLink:
             self._wake.set()
 
     def query(self, keys: Sequence[OffloadKey], timeout_s: float | None = 10.0) -> list[tuple[Holder, ...]]:
-        """Ask the shards for the holders of each key (this replica included). Blocks: for
-        tools and tests. Every shard is asked: a key's shard is where its holders placed
+        """Ask the shards for the holders of each key (MAX_BATCH_KEYS at most; this replica
+        included). Blocks: for tools and tests. Every shard is asked: a key's shard is where its holders placed
         it, which the key alone does not tell. TimeoutError if a shard has not answered
         within `timeout_s`."""
         check_keys(keys)
@@ -848,7 +851,7 @@ class DirectoryLink:
             raise TimeoutError(f"DirectoryLink.query: {len(late)} shard(s) did not answer within {timeout_s} s")
         result: list[tuple[Holder, ...]] = [()] * len(keys)
         for future in futures:
-            for i, holders in enumerate(unpack(future.result())[0]):
+            for i, holders in enumerate(decode_answer(future.result(), len(keys))[0]):
                 for holder in holders:  # a replica once, should two shards list it
                     if all(h.replica_id != holder[0] for h in result[i]):
                         result[i] += (Holder._make(holder),)
@@ -903,10 +906,12 @@ class DirectoryLink:
         else:
             known = self._infos
             for replica_id, info in infos.items():
-                if replica_id not in known:
-                    if len(known) >= MAX_REPLICA_INFOS:
-                        del known[next(iter(known))]
-                    known[replica_id] = info
+                # every answer brings its replicas' infos as they are now (a replica restarted
+                # under its id on another node, or with another pool): kept as the newest
+                known.pop(replica_id, None)
+                if len(known) >= MAX_REPLICA_INFOS:
+                    del known[next(iter(known))]
+                known[replica_id] = info
             own = self.info.replica_id
             for key, key_holders in zip(keys, holders):
                 answers[key] = tuple(Holder._make(h) for h in key_holders if h[0] != own)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import collections
 import gc
+import io
 import itertools
 import pickle
 import random
@@ -134,6 +135,56 @@ def unpack(data: bytes) -> Any:
     return pickle.loads(data)
 
 
+# A register, a publish and a query carry at most this many keys (a link's batches), so
+# that no one call holds a shard's loop for long; a relay's call, a publish per replica of
+# its node at most.
+MAX_CALL_KEYS = 1 << 12
+MAX_RELAYED_PUBLISHES = 1 << 12
+# A packed register's entries or publish's changes of MAX_CALL_KEYS keys: an entry pickles
+# to its key and 20 bytes or so.
+MAX_PAYLOAD_BYTES = MAX_CALL_KEYS * (MAX_KEY_BYTES + 40)
+
+
+class _PlainUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        raise ValueError(f"it names {module}.{name}: only plain data (tuples, lists, bytes, ints) is taken")
+
+
+def unpack_plain(data: object, what: str) -> Any:
+    """What `pack` made `data` from, if it is plain data of MAX_PAYLOAD_BYTES at most: how a
+    shard takes in what replicas send. A ValueError naming `what` and the problem for
+    anything else, a payload that names any class or function included (none of it runs)."""
+    if type(data) is not bytes:
+        raise ValueError(f"{what}: a {type(data).__name__}, not packed bytes")
+    if len(data) > MAX_PAYLOAD_BYTES:
+        raise ValueError(f"{what}: {len(data)} bytes, over {MAX_PAYLOAD_BYTES} (a call carries {MAX_CALL_KEYS} keys at most)")
+    try:
+        return _PlainUnpickler(io.BytesIO(data)).load()
+    except Exception as e:
+        raise ValueError(f"{what}: not a packed payload of plain data: {e}") from None
+
+
+def unpack_changes(data: object, what: str) -> tuple[list, list]:
+    """A publish's packed (stored, removed), as `unpack_plain` takes it, of MAX_CALL_KEYS
+    keys at most; ValueError otherwise (the entries themselves are checked where applied)."""
+    changes = unpack_plain(data, what)
+    if type(changes) is not tuple or len(changes) != 2 or not all(type(c) in (list, tuple) for c in changes):
+        raise ValueError(f"{what}: {changes!r:.80} is not a (stored, removed) pair of lists")
+    if len(changes[0]) + len(changes[1]) > MAX_CALL_KEYS:
+        raise ValueError(f"{what}: {len(changes[0]) + len(changes[1])} keys, over {MAX_CALL_KEYS} a call")
+    return changes
+
+
+def unpack_stored(data: object, what: str) -> list:
+    """A register's packed stored entries, as `unpack_plain` takes it, of MAX_CALL_KEYS at most."""
+    stored = unpack_plain(data, what)
+    if type(stored) not in (list, tuple):
+        raise ValueError(f"{what}: {stored!r:.80} is not a list of stored entries")
+    if len(stored) > MAX_CALL_KEYS:
+        raise ValueError(f"{what}: {len(stored)} stored entries, over {MAX_CALL_KEYS} a call")
+    return stored
+
+
 def check_namespace(serves: str, namespace: object, who: str) -> None:
     """Refuse a call made for cache namespace `namespace` to `who`, which serves `serves`.
 
@@ -180,6 +231,10 @@ def prefix_root(
     return root
 
 
+# A slot's generation is a u64 of its header (`distkv.pool`), and crosses in answers as one.
+MAX_GENERATION = 1 << 64
+
+
 def check_stored(entries: Iterable[object], num_rows: int) -> None:
     """Raise ValueError naming the first entry that is not a (key, row, generation) of a pool of `num_rows`."""
     for entry in entries:
@@ -192,6 +247,7 @@ def check_stored(entries: Iterable[object], num_rows: int) -> None:
             and type(entry[1]) is int
             and 0 <= entry[1] < num_rows
             and type(entry[2]) is int
+            and 0 <= entry[2] < MAX_GENERATION
         ):
             continue
         try:
@@ -203,8 +259,8 @@ def check_stored(entries: Iterable[object], num_rows: int) -> None:
             raise ValueError(problem)
         if not isinstance(row, int) or not 0 <= row < num_rows:
             raise ValueError(f"stored entry {entry!r}: row {row!r} is not an int in 0..{num_rows - 1}")
-        if not isinstance(generation, int):
-            raise ValueError(f"stored entry {entry!r}: generation {generation!r} is not an int")
+        if not isinstance(generation, int) or not 0 <= generation < MAX_GENERATION:
+            raise ValueError(f"stored entry {entry!r}: generation {generation!r} is not an int in 0..2**64-1")
 
 
 def _with_holder(current: tuple[HolderFields, ...] | None, holder: HolderFields) -> tuple[HolderFields, ...]:
@@ -628,11 +684,13 @@ class DirectoryState:
         applied (they count as no call of their own)."""
         if not isinstance(items, (list, tuple)):
             raise ValueError(f"publish_relayed: items {type(items).__name__} is not a list")
+        if len(items) > MAX_RELAYED_PUBLISHES:
+            raise ValueError(f"publish_relayed: {len(items)} publishes, over {MAX_RELAYED_PUBLISHES} a call")
         results: list[bool | str] = []
         for item in items:
             try:
                 replica_id, seq, changes, report = item
-                stored, removed = unpack(changes)
+                stored, removed = unpack_changes(changes, f"replica {replica_id!r:.80}'s relayed publish")
                 if report is not None and not isinstance(report, dict):
                     raise ValueError(f"report {report!r} is not a dict")
                 known = self.publish(replica_id, seq, stored, removed)
@@ -697,7 +755,12 @@ class DirectoryState:
 
     def drop_node(self, node_id: str) -> list[str]:
         """Drop every replica on a node (it died) with its holders; the ids of those dropped."""
-        dropped = [r for r in self._replicas.values() if r.info.node_id == node_id]
+        return self.drop_nodes(frozenset((node_id,)))
+
+    def drop_nodes(self, node_ids: frozenset[str]) -> list[str]:
+        """Drop every replica on any of `node_ids` (they died) with its holders, in one pass
+        over the replicas; the ids of those dropped."""
+        dropped = [r for r in self._replicas.values() if r.info.node_id in node_ids]
         for replica in dropped:
             self._drop(replica)
         self._ops["dropped_replicas"] += len(dropped)

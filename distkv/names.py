@@ -98,3 +98,8 @@ def agent_name(node_id: str) -> str:
 def parse_agent_name(name: str) -> str | None:
     """The Ray node id of a name `agent_name` builds, else None."""
     return name[len(_AGENT_PREFIX):] if name.startswith(_AGENT_PREFIX) else None
+
+
+# The cluster's one NodeWatcher (`ray_actors.node_watcher`), which reads Ray's node table for
+# every Directory shard.
+NODE_WATCHER_NAME = "node-watcher"

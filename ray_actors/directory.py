@@ -6,8 +6,10 @@ affinity: when its node dies Ray restarts it on another one. Long polls for chan
 an event, on an event loop of their own (a concurrency group), so that neither their waiting
 nor the packing of their answers holds up registers, publishes and queries. Queries also
 come over the shard's `QueryServer` (`distkv.query_channel`), answered on the default loop
-too. A restarted shard starts empty with a new epoch; the replicas' links notice and
-publish everything again. `shard_clients` hands a replica's `DirectoryLink` its shards as
+too. A shard drops the holders on nodes that died as the cluster's one `NodeWatcher`
+reports them (`ray_actors.node_watcher`), and reads no node table itself. A restarted
+shard starts empty with a new epoch; the replicas' links notice and publish everything
+again. `shard_clients` hands a replica's `DirectoryLink` its shards as
 the `ShardClient`s it calls.
 """
 
@@ -30,6 +32,8 @@ from distkv.abstract import OffloadKey
 from distkv.directory_state import (
     Cursor,
     DirectoryState,
+    MAX_CALL_KEYS,
+    MAX_RELAYED_PUBLISHES,
     Lateness,
     Relayed,
     ReplicaInfo,
@@ -38,16 +42,26 @@ from distkv.directory_state import (
     check_namespace,
     check_stored,
     defer_full_collections,
-    pack,
-    unpack,
+    unpack_changes,
+    unpack_stored,
 )
+from distkv.directory_answer import encode_answer
 from distkv.names import RAY_NAMESPACE, check_pool_namespace, parse_shard_name, shard_name
 from distkv.query_channel import TOKEN_BYTES, QueryChannel, QueryServer, channel_allowed
+from ray_actors.node_watcher import node_watcher
 
 logger = logging.getLogger(__name__)
 
-# How often a shard reads Ray's node table to drop the holders on dead nodes.
-NODE_POLL_S = 1.0
+# How many times a small call (not a register, publish or query) in flight when its shard
+# dies is sent again to the shard's next incarnations: one restart needs one.
+SMALL_CALL_RETRIES = 3
+# How often a shard expires its silent replicas.
+WATCH_EVERY_S = 1.0
+# How long a shard's poll of the cluster's NodeWatcher waits for a change of the dead nodes.
+DEAD_NODES_POLL_S = 30.0
+# How long a replica at start waits for its Directory's first shard to say how many shards
+# it was made of.
+SHARD_COUNT_TIMEOUT_S = 30.0
 # A replica not heard from for this long is dropped; links heartbeat every 0.5 s.
 REPLICA_TIMEOUT_S = 10.0
 # The concurrency group of `changes`: the followers' long polls, on their own thread and
@@ -64,19 +78,23 @@ class DirectoryShard:
     """One shard of the Directory. Every method returns promptly except `changes`.
 
     Bulk payloads cross as `distkv.directory.pack`ed bytes: stored entries come as a
-    packed list of (key, row, generation), changes and query answers go back packed.
+    packed list of (key, row, generation), taken in as plain data only, and changes go back
+    packed; query answers go back typed (`distkv.directory_answer`).
     `changes` runs in FOLLOWERS_GROUP, every other method on the default event loop,
     which alone changes the state; `_lock` keeps the followers' reads of it whole. A
     snapshot is collected on the default loop a step at a time between its other calls
     (`SnapshotBuilder`), and shared by the followers that need one meanwhile.
     """
 
-    def __init__(self, replica_timeout_s: float = REPLICA_TIMEOUT_S, namespace: str = "", shard: int = 0) -> None:
+    def __init__(
+        self, replica_timeout_s: float = REPLICA_TIMEOUT_S, namespace: str = "", shard: int = 0, num_shards: int = 1
+    ) -> None:
         self._state = DirectoryState()
         self._replica_timeout_s = replica_timeout_s
         self._lateness = Lateness(replica_timeout_s)
         self._namespace = namespace
         self._shard = shard
+        self._num_shards = num_shards
         self._metrics = metrics.DirectorySource(self._state, namespace, shard, metrics.this_node())
         metrics.register(self._metrics)
         self._lock = threading.Lock()
@@ -90,22 +108,32 @@ class DirectoryShard:
         defer_full_collections()
         self._collections = ShardCollections(time.monotonic())
         self._watcher = self._loop.create_task(self._watch())
+        self._dead_nodes = self._loop.create_task(self._follow_dead_nodes())
         self._query_token = secrets.token_bytes(TOKEN_BYTES)
         self._query_address: asyncio.Task | None = None
         if channel_allowed():
             server = QueryServer(self._answer, namespace, self._query_token, self._check)
             self._query_address = self._loop.create_task(server.start(ray.util.get_node_ip_address()))
 
+    @ray.method(max_task_retries=0)
     async def register(self, info: ReplicaInfo, seq: int, stored: bytes, namespace: str) -> tuple[str, bool, float]:
         """Register a replica afresh and publish everything it holds (packed entries), as one
         change; (epoch, True, the interval the replica is to leave between its calls).
 
         Every call that changes or reads holders refuses another cache `namespace` (ValueError),
-        and `register` a replica whose pool is not a segment of this shard's namespace.
+        and `register` a replica whose pool is not a segment of this shard's namespace. Every
+        call checks all it carries (`unpack_stored`, `unpack_changes`: MAX_CALL_KEYS keys at
+        most, plain data) before it applies any of it: bad input is a ValueError and changes
+        nothing. The calls that carry bulk (`register`, `publish`, `publish_many`, `query`)
+        are not sent again to the shard's next incarnation when it dies under them: the one
+        that killed it would kill that one too; their callers send them again (a publisher
+        after a backoff, a relay's replicas, a querier's next miss).
         """
         started = time.perf_counter()
         self._check(namespace)
-        stored = unpack(stored)
+        if type(seq) is not int:
+            raise ValueError(f"register: seq {seq!r:.80} is not an int")
+        stored = unpack_stored(stored, "register")
         if isinstance(info, ReplicaInfo):  # else register says what is wrong
             check_pool_namespace(info.pool_name, self._namespace)
             check_stored(stored, info.num_rows)
@@ -117,6 +145,7 @@ class DirectoryShard:
         self._took("register", started)
         return self._state.epoch, True, self._state.publish_interval()
 
+    @ray.method(max_task_retries=0)
     async def publish(
         self, replica_id: str, seq: int, changes: bytes, report: dict | None, namespace: str
     ) -> tuple[str, bool, float]:
@@ -127,7 +156,9 @@ class DirectoryShard:
         """
         started = time.perf_counter()
         self._check(namespace)
-        stored, removed = unpack(changes)
+        stored, removed = unpack_changes(changes, "publish")
+        if report is not None and not isinstance(report, dict):
+            raise ValueError(f"publish: report {report!r:.80} is not a dict")
         with self._lock:
             before = self._state.cursor()
             known = self._state.publish(replica_id, seq, stored, removed)
@@ -137,6 +168,7 @@ class DirectoryShard:
         self._took("publish", started)
         return self._state.epoch, known, self._state.publish_interval()
 
+    @ray.method(max_task_retries=0)
     async def publish_many(self, items: list[Relayed], namespace: str) -> tuple[str, list[bool | str], float]:
         """Apply the publishes of several replicas that a node's relay carried (`distkv.relay`),
         each as its own `publish`; (epoch, per item whether its replica is registered or why
@@ -144,6 +176,8 @@ class DirectoryShard:
         self._check(namespace)
         if not isinstance(items, list):
             raise ValueError(f"publish_many: items {type(items).__name__} is not a list")
+        if len(items) > MAX_RELAYED_PUBLISHES:
+            raise ValueError(f"publish_many: {len(items)} publishes, over {MAX_RELAYED_PUBLISHES} a call")
         results: list[bool | str] = []
         took = 0.0  # the time of the call's own steps, not of the calls run between them
         for i, item in enumerate(items):
@@ -169,9 +203,10 @@ class DirectoryShard:
         self._took("unregister", started)
         return known
 
+    @ray.method(max_task_retries=0)
     async def query(self, keys: Sequence[OffloadKey], namespace: str) -> bytes:
-        """The packed (holders of each key, ReplicaInfo of each replica they name); see
-        `DirectoryState.answer`."""
+        """The (holders of each key, ReplicaInfo of each replica they name) of
+        `DirectoryState.answer`, encoded as `distkv.directory_answer` says."""
         self._check(namespace)
         return self._answer(keys)
 
@@ -244,13 +279,19 @@ class DirectoryShard:
         """The registered replicas with their latest reports; see `DirectoryState.replicas`."""
         return self._state.replicas()
 
+    async def num_shards(self) -> int:
+        """How many shards this shard's namespace's Directory was made of (`get_or_create_shards`)."""
+        return self._num_shards
+
     def _check(self, namespace: str) -> None:
         check_namespace(self._namespace, namespace, f"directory shard {shard_name(self._namespace, self._shard)}")
 
     def _answer(self, keys: Sequence[OffloadKey]) -> bytes:
         """On the default loop: `query`'s answer, however the query came."""
+        if len(keys) > MAX_CALL_KEYS:
+            raise ValueError(f"query: {len(keys)} keys, over {MAX_CALL_KEYS} a call")
         started = time.perf_counter()
-        answer = pack(self._state.answer(keys))
+        answer = encode_answer(*self._state.answer(keys))
         self._took("query", started)
         return answer
 
@@ -273,27 +314,41 @@ class DirectoryShard:
         self._changed = asyncio.Event()
 
     async def _watch(self) -> None:
-        """Drop replicas on nodes Ray reports dead, and replicas that stopped heartbeating
-        (silent past their timeout and past how late this shard has been running)."""
-        loop = asyncio.get_running_loop()
+        """Drop replicas that stopped heartbeating (silent past their timeout and past how
+        late this shard has been running)."""
         while True:
-            due = time.monotonic() + NODE_POLL_S
-            await asyncio.sleep(NODE_POLL_S)
+            due = time.monotonic() + WATCH_EVERY_S
+            await asyncio.sleep(WATCH_EVERY_S)
             self._lateness.woke(due, time.monotonic())
             self._collections.step(time.monotonic())
-            try:
-                nodes = await loop.run_in_executor(None, ray.nodes)
-            except Exception as e:
-                logger.warning("directory: reading Ray's node table failed: %s", e)
-                nodes = []
             with self._lock:
                 before = self._state.cursor()
-                for node in nodes:
-                    if not node["Alive"]:
-                        self._state.drop_node(node["NodeID"])
                 # a heartbeat may have waited in the queue as long as this wake-up ran late
                 self._state.expire(time.monotonic(), self._replica_timeout_s + self._lateness.worst())
                 self._state.drop_stale_snapshot()
+            self._after_change(before)
+
+    async def _follow_dead_nodes(self) -> None:
+        """Drop the replicas on nodes the cluster's NodeWatcher reports dead, as it reports
+        them (and again every DEAD_NODES_POLL_S: a register from a node that died meanwhile)."""
+        loop = asyncio.get_running_loop()
+        watcher, seen, failures = None, None, 0
+        while True:
+            try:
+                if watcher is None:
+                    watcher = await loop.run_in_executor(None, node_watcher)  # asks Ray's GCS
+                seen, dead = await watcher.dead_nodes.remote(seen, DEAD_NODES_POLL_S)
+            except Exception as e:  # the watcher's owner went, and it with it: another one
+                failures += 1
+                if failures == 1:
+                    logger.warning("directory: following the node watcher failed, asking again: %s", e)
+                watcher = None
+                await asyncio.sleep(min(DEAD_NODES_POLL_S, WATCH_EVERY_S * failures))
+                continue
+            failures = 0
+            with self._lock:
+                before = self._state.cursor()
+                self._state.drop_nodes(frozenset(dead))
             self._after_change(before)
 
 
@@ -389,30 +444,55 @@ def get_or_create_shards(
 ) -> list[ray.actor.ActorHandle]:
     """The handles of every shard of `namespace`'s Directory, creating those that do not exist.
 
-    `replica_timeout_s` applies only to shards this call creates. A shard is placed by
-    `shard_nodes` with a soft affinity: a hard one would leave it unschedulable once its
-    node died, while a soft one lets Ray restart it on any live node.
+    The first shard records `num_shards` when it is made: a ValueError naming both counts
+    if the namespace's Directory was made of another number of shards (replicas of one
+    namespace that placed keys over different counts would miss each other's blocks), and
+    no other shard is made then. `replica_timeout_s` applies only to shards this call
+    creates. A shard is placed by `shard_nodes` with a soft affinity: a hard one would
+    leave it unschedulable once its node died, while a soft one lets Ray restart it on any
+    live node.
     """
     if not isinstance(num_shards, int) or num_shards < 1:
         raise ValueError(f"num_shards={num_shards!r}: must be a positive int")
     if not isinstance(namespace, str) or not namespace:
         raise ValueError(f"namespace={namespace!r}: must be a non-empty str")
     nodes = shard_nodes(ray.nodes(), num_shards)
-    return [
-        DirectoryShard.options(
+
+    def shard_actor(shard: int) -> ray.actor.ActorHandle:
+        return DirectoryShard.options(
             name=shard_name(namespace, shard),
             namespace=RAY_NAMESPACE,
             get_if_exists=True,
             lifetime="detached",
             num_cpus=0,
             max_restarts=-1,
-            # a call in flight when a shard dies runs again on its next incarnation, which
-            # answers it from its new (empty) state and epoch: the link then re-publishes
-            max_task_retries=-1,
-            scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=True),
-        ).remote(replica_timeout_s, namespace, shard)
-        for shard, node_id in enumerate(nodes)
-    ]
+            # a small call in flight when a shard dies runs again on its next incarnation,
+            # which answers it from its new (empty) state and epoch, a few times at most
+            # (one that kills each incarnation stops there); the bulk ones are not replayed
+            # (`DirectoryShard.register`)
+            max_task_retries=SMALL_CALL_RETRIES,
+            scheduling_strategy=NodeAffinitySchedulingStrategy(nodes[shard], soft=True),
+        ).remote(replica_timeout_s, namespace, shard, num_shards)
+
+    first = shard_actor(0)
+    check_shard_count(namespace, num_shards, first)
+    return [first] + [shard_actor(shard) for shard in range(1, num_shards)]
+
+
+def check_shard_count(namespace: str, num_shards: int, first: ray.actor.ActorHandle) -> None:
+    """Refuse (ValueError) `num_shards` for `namespace` if its Directory's first shard was made
+    with another count; a warning, and no check, if it does not say within SHARD_COUNT_TIMEOUT_S."""
+    try:
+        made_of = ray.get(first.num_shards.remote(), timeout=SHARD_COUNT_TIMEOUT_S)
+    except Exception as e:
+        logger.warning("directory: shard 0 of %s did not say how many shards it has (%s): not checked", namespace, e)
+        return
+    if made_of != num_shards:
+        raise ValueError(
+            f"directory_shards={num_shards} for cache namespace {namespace!r}, whose Directory has {made_of} shards: "
+            f"every replica of a namespace must use the same directory_shards (set it to {made_of}, or move the "
+            "replicas to the new count together)"
+        )
 
 
 def find_shards(namespace: str, num_shards: int) -> list[ShardActorClient]:

@@ -25,7 +25,8 @@ from workload import (
     wait_until,
 )
 
-from distkv.directory import ReplicaInfo, pack, unpack
+from distkv.directory import ReplicaInfo, pack
+from distkv.directory_answer import decode_answer
 from distkv.harness import block_keys
 from distkv.names import segment_name
 from distkv.pool import PoolLayout
@@ -372,7 +373,7 @@ def test_directory_and_node_agent_refuse_another_namespace(cluster, make_workloa
             ray.get(ref, timeout=30)
     # none of them was applied: no intruder, and a still registered and holding the key
     assert [r["replica_id"] for r in ray.get(shard.replicas.remote(), timeout=30)] == ["a"]
-    assert unpack(ray.get(shard.query.remote([key], namespace=w.namespace)))[0][0][0][:3] == ("a", n1.node_id, row)
+    assert decode_answer(ray.get(shard.query.remote([key], namespace=w.namespace)), 1)[0][0][0][:3] == ("a", n1.node_id, row)
 
     agent = node_agent(n1.node_id)
     layout = (64, 1, SLOT_BYTES)

@@ -16,7 +16,7 @@ from clusters import simulated_cluster
 from ray._private import internal_api
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from distkv.directory import unpack
+from distkv.directory_answer import decode_answer
 from distkv.harness import block_keys
 from distkv.names import RAY_NAMESPACE, SEGMENT_PREFIX, agent_name, segment_name
 from distkv.spec import ClusterOffloadingSpec
@@ -296,7 +296,7 @@ def test_node_loss(cluster, replicas):
 
     (shard,) = get_or_create_shards(group.namespace, 1)
     while True:
-        holders = unpack(ray.get(shard.query.remote(doc_keys + late_keys, namespace=group.namespace), timeout=10))[0]
+        holders = decode_answer(ray.get(shard.query.remote(doc_keys + late_keys, namespace=group.namespace), timeout=10), len(doc_keys + late_keys))[0]
         views = ray.get([a.holders.remote(doc_keys + late_keys) for a in (y, z, w)], timeout=10)
         if not any(h[0] == "x" for hs in holders for h in hs) and not any("x" in hs for v in views for hs in v):
             break

@@ -18,12 +18,14 @@ from distkv.directory import (
     shard_of,
     unpack,
 )
-from distkv.names import segment_name
+from distkv.directory_answer import decode_answer
+from distkv.directory_state import MAX_CALL_KEYS, MAX_PAYLOAD_BYTES
+from distkv.names import NODE_WATCHER_NAME, RAY_NAMESPACE, segment_name, shard_name
 from distkv.query_channel import QueryChannel
 from ray_actors.directory import (
     FOLLOWERS_GROUP,
     MAX_FOLLOWERS,
-    NODE_POLL_S,
+    WATCH_EVERY_S,
     DirectoryShard,
     ShardActorClient,
     get_or_create_shards,
@@ -210,9 +212,9 @@ def test_a_shard_stopped_past_the_timeout_expires_no_live_replica(make_link, nam
         time.sleep(2 * timeout_s)
     finally:
         os.kill(pid, signal.SIGCONT)
-    # the shard's watcher runs every NODE_POLL_S: give it a few rounds after the stop
+    # the shard expires its silent replicas every WATCH_EVERY_S: give it a few rounds after the stop
     wait_for(lambda: ray.get(shard.stats.remote())["publishes"] > 0, 10)
-    time.sleep(3 * NODE_POLL_S)
+    time.sleep(3 * WATCH_EVERY_S)
     stats = ray.get(shard.stats.remote())
     assert stats["expired_replicas"] == 0, stats
     assert stats["registers"] == 2, stats  # nobody had to register again
@@ -276,7 +278,7 @@ def test_register_refuses_a_pool_of_another_namespace(namespace):
             ray.get(shard.register.remote(info, 1, pack([(key, 0, 1)]), namespace=namespace))
     # nothing of them was applied
     assert [r["replica_id"] for r in ray.get(shard.replicas.remote())] == ["a"]
-    assert unpack(ray.get(shard.query.remote([key], namespace=namespace)))[0] == [()]
+    assert decode_answer(ray.get(shard.query.remote([key], namespace=namespace)), 1)[0] == [()]
 
 
 def test_registers_and_publishes_are_answered_while_the_followers_loop_is_busy(namespace):
@@ -311,7 +313,7 @@ def test_registers_and_publishes_are_answered_while_the_followers_loop_is_busy(n
     # answered while the followers' loop is held; on one loop they would wait for it
     assert ray.get(shard.register.remote(info, 1, pack([]), namespace=namespace), timeout=30)[1]
     assert ray.get(shard.publish.remote("a", 2, pack(([(key, 3, 1)], [])), None, namespace=namespace), timeout=30)[1]
-    assert unpack(ray.get(shard.query.remote([key], namespace=namespace), timeout=30))[0] == [(("a", node_id, 3, 1),)]
+    assert decode_answer(ray.get(shard.query.remote([key], namespace=namespace), timeout=30), 1)[0] == [(("a", node_id, 3, 1),)]
     assert ray.wait([poll], timeout=0)[1] == [poll]  # the poll is still held
     ray.get(shard.release.remote())
     ray.get(held)
@@ -331,13 +333,13 @@ def test_queries_go_over_the_shard_s_channel_and_answer_as_its_actor_does(make_l
     keys = new_keys(30)
     a.stored([(k, i, 1) for i, k in enumerate(keys)])
     actor = get_or_create_shards(namespace, 1)[0]
-    wait_for(lambda: all(unpack(ray.get(actor.query.remote(keys, namespace=namespace)))[0]), 10)
+    wait_for(lambda: all(decode_answer(ray.get(actor.query.remote(keys, namespace=namespace)), len(keys))[0]), 10)
     client = ShardActorClient(actor, namespace)
     assert not client.channel.connected
-    by_ray = unpack(client.query(keys, namespace).result(30))  # the first one starts connecting
+    by_ray = decode_answer(client.query(keys, namespace).result(30), len(keys))  # the first one starts connecting
     connected(client.channel)
-    assert unpack(client.channel.query(keys).result(30)) == by_ray
-    assert unpack(client.query(keys, namespace).result(30)) == by_ray
+    assert decode_answer(client.channel.query(keys).result(30), len(keys)) == by_ray
+    assert decode_answer(client.query(keys, namespace).result(30), len(keys)) == by_ray
     with pytest.raises(ValueError, match="refuses a call for namespace 'other'"):
         client.query(keys, "other").result(30)  # through Ray, whose shard refuses it
     client.close()
@@ -372,9 +374,9 @@ def test_a_restarted_shard_s_queries_go_through_ray_until_its_channel_connects_a
     wait_for(lambda: epochs_of([actor]) != epochs, 30)
     # through Ray meanwhile, answered by the new incarnation, which the link refills; a query
     # starts connecting the channel again once RECONNECT_DELAY_S has passed
-    wait_for(lambda: all(unpack(client.query(keys, namespace).result(30))[0]) and client.channel.connected, 30)
+    wait_for(lambda: all(decode_answer(client.query(keys, namespace).result(30), len(keys))[0]) and client.channel.connected, 30)
     assert ray.get(actor.query_endpoint.remote(), timeout=30) != endpoint
-    assert all(unpack(client.channel.query(keys).result(30))[0])
+    assert all(decode_answer(client.channel.query(keys).result(30), len(keys))[0])
     client.close()
 
 
@@ -386,5 +388,109 @@ def test_where_ray_encrypts_its_traffic_queries_stay_on_ray(make_link, namespace
     actor = get_or_create_shards(namespace, 1)[0]
     client = ShardActorClient(actor, namespace)
     assert client.channel is None
-    wait_for(lambda: all(unpack(client.query(keys, namespace).result(30))[0]), 10)
+    wait_for(lambda: all(decode_answer(client.query(keys, namespace).result(30), len(keys))[0]), 10)
     client.close()
+
+
+# ---- calls that would kill a shard (issue 31, finding 4) ----------------------------------
+
+
+def pid_of(actor) -> int:
+    return ray.get(actor.__ray_call__.remote(lambda self: os.getpid()), timeout=60)
+
+
+def test_oversized_or_poisoned_payloads_are_refused_and_change_nothing(namespace):
+    class Bomb:
+        """A payload whose unpickling kills the process that unpickles it."""
+
+        def __reduce__(self):
+            return (os._exit, (1,))
+
+    (shard,) = get_or_create_shards(namespace, 1)
+    node_id = ray.get_runtime_context().get_node_id()
+    infos = {r: ReplicaInfo(r, node_id, segment_name(namespace, r), 1 << 13, 1, 4096) for r in "ab"}
+    held = new_keys(3)
+    ray.get(shard.register.remote(infos["a"], 1, pack([(k, i, 1) for i, k in enumerate(held)]), namespace=namespace))
+    ray.get(shard.register.remote(infos["b"], 1, pack([]), namespace=namespace))
+    pid, before = pid_of(shard), ray.get(shard.stats.remote())
+
+    too_many = [(k, i, 1) for i, k in enumerate(new_keys(MAX_CALL_KEYS + 1))]
+    with pytest.raises(ValueError, match=f"register: {MAX_CALL_KEYS + 1} stored entries, over {MAX_CALL_KEYS}"):
+        ray.get(shard.register.remote(infos["b"], 2, pack(too_many), namespace=namespace), timeout=60)
+    with pytest.raises(ValueError, match="register: not a packed payload of plain data: it names posix._exit"):
+        ray.get(shard.register.remote(infos["b"], 2, pack([(Bomb(), 0, 1)]), namespace=namespace), timeout=60)
+    with pytest.raises(ValueError, match=f"publish: .* over {MAX_PAYLOAD_BYTES}"):
+        ray.get(shard.publish.remote("a", 2, bytes(MAX_PAYLOAD_BYTES + 1), None, namespace=namespace), timeout=60)
+    with pytest.raises(ValueError, match="report 7 is not a dict"):
+        ray.get(shard.publish.remote("a", 2, pack(([(held[0], 5, 5)], [])), 7, namespace=namespace), timeout=60)
+    fresh = new_keys(1)
+    relayed = [("a", 2, pack(([(Bomb(), 0, 1)], [])), None), ("b", 2, pack(([(fresh[0], 1, 1)], [])), None)]
+    _, results, _ = ray.get(shard.publish_many.remote(relayed, namespace=namespace), timeout=60)
+    assert "names posix._exit" in results[0] and results[1] is True  # one relayed publish refused, alone
+
+    after = ray.get(shard.stats.remote())
+    assert pid_of(shard) == pid and after["epoch"] == before["epoch"]  # never died
+    assert (after["registers"], after["holders"]) == (before["registers"], before["holders"] + 1)
+    answer = decode_answer(ray.get(shard.query.remote(held + fresh, namespace=namespace)), 4)[0]
+    assert [h[0][:3] for h in answer] == [("a", node_id, 0), ("a", node_id, 1), ("a", node_id, 2), ("b", node_id, 1)]
+
+
+def test_a_call_that_kills_its_shard_is_not_replayed_and_the_shard_serves_on(make_link, namespace):
+    class Poison:
+        """An argument whose unpickling (Ray's, before the shard's code runs) kills the shard."""
+
+        def __reduce__(self):
+            return (os._exit, (1,))
+
+    a = make_link("a", num_shards=1)
+    keys = new_keys(5)
+    a.stored([(k, i, 1) for i, k in enumerate(keys)])
+    (shard,) = get_or_create_shards(namespace, 1)
+    wait_for(lambda: all(a.query(keys, timeout_s=30)), 30)
+    with pytest.raises(ray.exceptions.RayActorError):
+        ray.get(shard.register.remote(Poison(), 1, pack([]), namespace=namespace), timeout=60)
+    # the next incarnation is not handed the call again: it stays up, and the link's blocks are back
+    wait_for(lambda: all(a.query(keys, timeout_s=30)), 60)
+    pid = pid_of(shard)
+    assert all(decode_answer(ray.get(shard.query.remote(keys, namespace=namespace), timeout=60), len(keys))[0])
+    assert pid_of(shard) == pid
+
+
+# ---- a namespace's shard count, and one node watcher for every shard (issue 31) --------
+
+
+def test_a_replica_of_another_shard_count_is_refused_at_start_naming_both(namespace):
+    get_or_create_shards(namespace, 2)
+    for other in (1, 3):
+        with pytest.raises(ValueError, match=f"directory_shards={other} for cache namespace .* has 2 shards"):
+            get_or_create_shards(namespace, other)
+    with pytest.raises(ValueError):  # the refused call made no shard of its own
+        ray.get_actor(shard_name(namespace, 2), namespace=RAY_NAMESPACE)
+    assert len(get_or_create_shards(namespace, 2)) == 2
+
+
+def test_every_shard_follows_the_cluster_s_one_node_watcher_and_reads_no_node_table(namespace):
+    def count_node_table_reads(self) -> None:
+        import ray as ray_in_shard
+
+        reads, read = [], ray_in_shard.nodes
+
+        def counted(*args, **kwargs):
+            reads.append(1)
+            return read(*args, **kwargs)
+
+        ray_in_shard.nodes = counted
+        self.node_table_reads = reads
+
+    shards = get_or_create_shards(namespace, 2) + get_or_create_shards(namespace + "x", 1)
+    try:
+        ray.get([shard.__ray_call__.remote(count_node_table_reads) for shard in shards], timeout=60)
+        watcher = ray.get_actor(NODE_WATCHER_NAME, namespace=RAY_NAMESPACE)
+        first = ray.get(watcher.reads.remote(), timeout=60)
+        wait_for(lambda: ray.get(watcher.reads.remote()) >= first + 3, 60)
+        reads = ray.get([shard.__ray_call__.remote(lambda self: len(self.node_table_reads)) for shard in shards])
+        assert reads == [0, 0, 0]
+        watchers = [a for a in ray.util.list_named_actors(all_namespaces=True) if a["name"] == NODE_WATCHER_NAME]
+        assert len(watchers) == 1
+    finally:
+        kill_shards(namespace + "x")

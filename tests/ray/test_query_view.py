@@ -10,7 +10,8 @@ import pytest
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from distkv.directory import ReplicaInfo, pack, unpack
+from distkv.directory import ReplicaInfo, pack
+from distkv.directory_answer import decode_answer
 from distkv.directory_state import shard_of
 from distkv.harness import Replica, block_keys
 from distkv.names import RAY_NAMESPACE, agent_name, segment_name
@@ -126,7 +127,7 @@ def test_an_agent_closes_a_relay_nobody_uses_and_a_later_publish_gets_a_new_one(
 
         publish(2, second)  # through a new relay
         assert agent_relays(agent, namespace) == ([(namespace, SHARDS)], 1)
-        holders, _ = unpack(ray.get(shards[shard].query.remote([first, second], namespace=namespace)))
+        holders, _ = decode_answer(ray.get(shards[shard].query.remote([first, second], namespace=namespace)), 2)
         assert [[h[0] for h in key_holders] for key_holders in holders] == [["r"], ["r"]]
     finally:
         ray.kill(agent)

@@ -2,7 +2,8 @@
 
 from concurrent.futures import Future
 
-from distkv.directory import DirectoryState, pack, unpack
+from distkv.directory import DirectoryState, unpack
+from distkv.directory_answer import encode_answer
 
 
 def key(i: int) -> bytes:
@@ -101,7 +102,7 @@ class FakeShard:
         return self.state.packed_changes(cursor)
 
     def _query(self, keys, namespace):
-        return pack(self.state.answer(keys))
+        return encode_answer(*self.state.answer(keys))
 
     def held_by(self, replica_id: str) -> dict[bytes, tuple[int, int]]:
         entries = [e for e in self.state.changes(None).entries if e[0] == replica_id]

@@ -6,6 +6,7 @@ chooses, and a shard's calls stay in flight until the test answers them from its
 DirectoryState, as the actor would, or fails them, as a shard that is down does.
 """
 
+import pickle
 import time
 
 import pytest
@@ -136,6 +137,30 @@ def test_answers_expire_and_the_key_is_asked_again(shards):
     assert link.view[key(1)] == (Holder("b", "node-2", 0, 7),)
 
 
+def test_a_holder_restarted_under_its_id_is_looked_for_at_its_new_place(shards):
+    hold(shards, [key(1)])
+    link = make_link(shards)
+    stepper = started(link)
+    ask(link, key(1))
+    link.end_step()
+    stepper.step(0.0)
+    for shard in shards:
+        shard.answer(("query",))
+    stepper.step(0.0)
+    assert link.replica("b") == OTHER
+    moved = ReplicaInfo("b", "node-3", "distkv-ns-b", 128, 2, 8192)  # b restarted on another node, with another pool
+    hold(shards, [key(1)], moved)
+    stepper.step(directory.ANSWER_TTL_S)
+    ask(link, key(1))
+    link.end_step()
+    stepper.step(0.0)
+    for shard in shards:
+        shard.answer(("query",))
+    stepper.step(0.0)
+    assert link.view[key(1)] == (Holder("b", "node-3", 0, 7),)
+    assert link.replica("b") == moved
+
+
 def test_the_replicas_own_holders_are_not_answered(shards):
     link = make_link(shards, "a")
     stepper = started(link)
@@ -162,6 +187,40 @@ def test_a_failed_query_answers_misses(shards):
     stepper.step(0.0)
     assert link.view[key(1)] == ()
     assert link.errors.counts()["directory_query"] == 1
+
+
+EXPLODED: list[bool] = []
+
+
+def explode() -> None:
+    EXPLODED.append(True)
+
+
+class Bomb:
+    """A pickle whose loading runs code: what an impostor on a shard's port would answer."""
+
+    def __reduce__(self):
+        return (explode, ())
+
+
+def test_an_answer_that_is_no_typed_answer_runs_nothing_and_answers_misses(shards):
+    """Whatever answers a query, nothing of the answer runs in the replica: it is decoded
+    as the typed answer or refused, and its keys are misses."""
+    hold(shards, [key(1)])
+    link = make_link(shards)
+    stepper = started(link)
+    ask(link, key(1))
+    link.end_step()
+    stepper.step(0.0)
+    shard = shards[shard_of(key(1), link.num_shards)]
+    (call,) = [c for c in shard.calls if c[0] == "query"]
+    shard.calls.remove(call)
+    call[2].set_result(pickle.dumps(([((Bomb(), "node-2", 0, 7),)], {"b": OTHER})))
+    stepper.step(0.0)
+    assert not EXPLODED
+    assert link.view[key(1)] == ()
+    assert link.errors.counts()["directory_query"] == 1
+    assert "not msgpack" in link.errors.recent()[-1][2]
 
 
 def test_each_answered_call_is_timed_from_its_sending_to_its_answer_and_a_failed_one_is_an_error(shards):

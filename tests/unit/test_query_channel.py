@@ -9,16 +9,26 @@ from concurrent.futures import Future
 import pytest
 from directory_fakes import Clock
 
+from distkv.directory_state import MAX_CALL_KEYS
+from distkv.pool import MAX_KEY_BYTES
+from distkv import query_channel
 from distkv.query_channel import (
+    _CLIENT_PROOF,
+    _SERVER_PROOF,
     MAX_RECONNECT_DELAY_S,
     MAX_REQUEST_BYTES,
     RECONNECT_DELAY_S,
     STALE_ANSWER_S,
+    KeyBudget,
     ProtocolError,
     QueryChannel,
     QueryServer,
     RefusedError,
+    Session,
+    UnprovenError,
+    _proof,
     channel_allowed,
+    client_handshake,
     decode_keys,
     encode_keys,
 )
@@ -38,7 +48,7 @@ class Shard:
     query with its keys joined, refuses keys starting with b"bad", and holds its answers
     while `hold` is clear."""
 
-    def __init__(self) -> None:
+    def __init__(self, clock=None) -> None:
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
@@ -46,7 +56,7 @@ class Shard:
         self.hold.set()
         self.dying = False
         self.asked: list[list[bytes]] = []
-        self.server = QueryServer(self.answer, NAMESPACE, TOKEN, check_namespace)
+        self.server = QueryServer(self.answer, NAMESPACE, TOKEN, check_namespace, **({"clock": clock} if clock else {}))
         self.address = self.run(self.server.start("127.0.0.1"))
 
     def answer(self, keys: list[bytes]) -> bytes:
@@ -109,7 +119,7 @@ def wait_until(predicate) -> None:
 
 def test_keys_cross_as_they_were():
     keys = [b"", b"k" * 36, bytes(range(256)) * 255]
-    assert decode_keys(encode_keys(7, keys)[4:]) == (7, keys)
+    assert decode_keys(encode_keys(7, keys)) == (7, keys)
 
 
 @pytest.mark.parametrize(
@@ -173,9 +183,8 @@ def test_another_namespace_is_refused_with_the_reason(shard):
 def test_a_connection_that_breaks_the_protocol_is_closed_and_the_others_go_on(shard):
     good = connected(QueryChannel(shard.endpoint(), NAMESPACE))
     rogue = socket.create_connection(shard.address, timeout=WAIT_S)
-    rogue.sendall(struct.pack("<I", len(TOKEN) + 2) + TOKEN + NAMESPACE.encode())
-    assert rogue.recv(5) == struct.pack("<I", 1) + b"\0"  # welcomed
-    rogue.sendall(struct.pack("<I", 5) + b"\0\0\0\0\x09")  # a key's length cut short
+    session = client_handshake(rogue, TOKEN, NAMESPACE)  # welcomed
+    rogue.sendall(session.frame(b"\0\0\0\0\x09"))  # a key's length cut short
     assert rogue.recv(1) == b""  # closed, nothing answered
     rogue.close()
     assert good.query([b"k"]).result(WAIT_S) == b"k"
@@ -229,7 +238,7 @@ def test_a_shard_that_stops_answering_closes_the_channel(shard):
 def test_a_request_the_socket_cannot_take_whole_closes_the_channel_instead_of_waiting(shard):
     channel = connected(QueryChannel(shard.endpoint(), NAMESPACE))
     shard.hold.clear()  # the shard reads one request and then nothing
-    big = [bytes(250)] * 4000  # ~1 MB a request
+    big = [bytes(MAX_KEY_BYTES)] * MAX_CALL_KEYS  # ~360 KB a request
     sent = []
     with pytest.raises(ConnectionError, match="part of a request|sending failed"):
         for _ in range(1000):
@@ -313,3 +322,205 @@ def test_failed_connections_try_again_ever_later_and_a_success_starts_over(shard
     shard.kill()  # in the middle of that query: a lost connection after a success waits the first delay again
     wait_until(lambda: not channel.connected)
     assert next_try_after() == RECONNECT_DELAY_S
+
+
+# ---- both ends prove they hold the token; frames are tagged (issue 31, finding 2) --------
+
+
+class Impostor:
+    """Whatever listens on a port where a shard's channel was (a local user who bound it
+    after the shard died, anyone on the path), without the shard's token: it reads what
+    the client sends and answers as `how` says, then welcomes and answers anything."""
+
+    def __init__(self, how: str) -> None:
+        self.how = how
+        self.received = bytearray()
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.address = self.listener.getsockname()
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def endpoint(self):
+        future: Future = Future()
+        future.set_result((*self.address, TOKEN))  # what the shard's Ray method gave, before it died
+        return lambda: future
+
+    def _serve(self) -> None:
+        conn, _ = self.listener.accept()
+        conn.settimeout(WAIT_S)
+        try:
+            self.received += conn.recv(65536)  # the hello
+            if self.how == "guesses a proof":
+                conn.sendall(struct.pack("<I", 64) + bytes(64))  # a nonce and a proof made without the token
+                self.received += conn.recv(65536)
+            conn.sendall(struct.pack("<I", 1) + b"\0")  # welcome
+            while chunk := conn.recv(65536):
+                self.received += chunk
+                conn.sendall(struct.pack("<I", 5) + b"\0\0\0\0\0")  # "answer" request 0
+        except OSError:
+            pass
+        finally:
+            conn.close()
+            self.listener.close()
+
+
+@pytest.mark.parametrize("how", ["welcomes at once", "guesses a proof"])
+def test_the_client_never_sends_its_token_and_refuses_a_server_without_it(how):
+    impostor = Impostor(how)
+    channel = QueryChannel(impostor.endpoint(), NAMESPACE)
+    channel.connect()
+    wait_until(lambda: not channel.connecting)
+    assert not channel.connected
+    assert isinstance(channel.last_error, ConnectionError)
+    if how == "guesses a proof":
+        assert isinstance(channel.last_error, UnprovenError)
+    with pytest.raises(ConnectionError, match="not connected"):
+        channel.query([b"k"])
+    assert TOKEN not in impostor.received
+
+
+def test_the_proofs_bind_both_nonces_and_the_namespace():
+    proofs = {
+        _proof(TOKEN, role, cn, sn, ns)
+        for role in (_SERVER_PROOF, _CLIENT_PROOF)
+        for cn in (bytes(32), b"\1" * 32)
+        for sn in (bytes(32), b"\1" * 32)
+        for ns in (b"ns", b"other")
+    }
+    assert len(proofs) == 16
+    assert _proof(bytes(32), _SERVER_PROOF, bytes(32), bytes(32), b"ns") != _proof(TOKEN, _SERVER_PROOF, bytes(32), bytes(32), b"ns")
+
+
+def sessions(token: bytes = TOKEN, namespace: bytes = b"ns") -> tuple[Session, Session]:
+    """The client's and the server's Session of one connection."""
+    cn, sn = b"c" * 32, b"s" * 32
+    return Session(token, cn, sn, namespace, client=True), Session(token, cn, sn, namespace, client=False)
+
+
+def body_of(frame: bytes) -> bytes:
+    (length,) = struct.unpack_from("<I", frame)
+    assert length == len(frame) - 4
+    return frame[4:]
+
+
+def test_a_tagged_frame_opens_once_in_its_place_and_only_on_its_connection():
+    client, server = sessions()
+    first, second = body_of(client.frame(b"one")), body_of(client.frame(b"two"))
+    with pytest.raises(ProtocolError, match="tag does not match"):
+        server.open(second)  # out of order
+    assert server.open(first) == b"one"
+    with pytest.raises(ProtocolError, match="tag does not match"):
+        server.open(first)  # replayed
+    assert server.open(second) == b"two"
+    answer = body_of(server.frame(b"head", b"payload"))
+    altered = answer[:2] + bytes([answer[2] ^ 1]) + answer[3:]
+    with pytest.raises(ProtocolError, match="tag does not match"):
+        client.open(altered)
+    assert client.open(answer) == b"headpayload"
+
+    other_client, _ = sessions(token=bytes(32))
+    _, other_namespace = sessions(namespace=b"other")
+    for stranger in (other_client, other_namespace):
+        with pytest.raises(ProtocolError, match="tag does not match"):
+            stranger.open(answer)
+    reflected_client, _ = sessions()
+    with pytest.raises(ProtocolError, match="tag does not match"):
+        reflected_client.open(body_of(sessions()[0].frame(b"x")))  # a client's own frame sent back to it
+    with pytest.raises(ProtocolError, match="too short"):
+        client.open(b"short")
+
+
+# ---- what a shard's server spends on its connections (issue 31, finding 3) ---------------
+
+
+def closed_by_the_server(sock: socket.socket) -> bool:
+    """Whether the server closed `sock`, reading what it sent before (waits up to WAIT_S)."""
+    sock.settimeout(WAIT_S)
+    try:
+        while sock.recv(4096):
+            pass
+        return True
+    except ConnectionResetError:
+        return True
+    except socket.timeout:
+        return False
+
+
+def test_connections_that_do_not_prove_themselves_in_time_are_closed(shard, monkeypatch):
+    monkeypatch.setattr(query_channel, "HELLO_TIMEOUT_S", 0.2)
+    idle = [socket.create_connection(shard.address, timeout=WAIT_S) for _ in range(20)]
+    hello_only = socket.create_connection(shard.address, timeout=WAIT_S)
+    hello_only.sendall(struct.pack("<I", 34) + bytes(32) + NAMESPACE.encode())  # and never its proof
+    assert all(closed_by_the_server(sock) for sock in idle + [hello_only])
+    for sock in idle + [hello_only]:
+        sock.close()
+    assert connected(QueryChannel(shard.endpoint(), NAMESPACE)).query([b"k"]).result(WAIT_S) == b"k"
+
+
+def test_connections_past_the_cap_of_those_proving_themselves_are_closed_at_once(shard, monkeypatch):
+    monkeypatch.setattr(query_channel, "MAX_HANDSHAKES", 4)
+    idle = [socket.create_connection(shard.address, timeout=WAIT_S) for _ in range(4)]
+    one_more = socket.create_connection(shard.address, timeout=WAIT_S)
+    assert closed_by_the_server(one_more)
+    for sock in idle + [one_more]:
+        sock.close()
+    wait_until(lambda: not shard.server._proving)
+    assert connected(QueryChannel(shard.endpoint(), NAMESPACE)).query([b"k"]).result(WAIT_S) == b"k"
+
+
+def test_proven_connections_past_the_cap_are_refused_with_the_reason(shard, monkeypatch):
+    monkeypatch.setattr(query_channel, "MAX_CONNECTIONS", 2)
+    first, second = (connected(QueryChannel(shard.endpoint(), NAMESPACE)) for _ in range(2))
+    third = QueryChannel(shard.endpoint(), NAMESPACE)
+    third.connect()
+    wait_until(lambda: not third.connecting)
+    assert not third.connected
+    assert isinstance(third.last_error, RefusedError)
+    assert "serves 2 connections at most" in str(third.last_error)
+    first.close()
+    wait_until(lambda: len(shard.server._serving) == 1)
+    clock = Clock()
+    fourth = connected(QueryChannel(shard.endpoint(), NAMESPACE, clock=clock))
+    assert fourth.query([b"k"]).result(WAIT_S) == b"k"
+    assert second.query([b"j"]).result(WAIT_S) == b"j"
+
+
+def test_a_request_over_its_connection_s_budget_waits_and_the_others_are_answered_meanwhile(monkeypatch):
+    monkeypatch.setattr(query_channel, "KEYS_PER_S", 100)
+    monkeypatch.setattr(query_channel, "KEY_BURST", 10)
+    clock = Clock()
+    shard = Shard(clock=clock)
+    try:
+        greedy, other = (connected(QueryChannel(shard.endpoint(), NAMESPACE)) for _ in range(2))
+        keys = [b"k%d" % i for i in range(10)]
+        assert greedy.query(keys).result(WAIT_S) == b"|".join(keys)  # the burst
+        over = greedy.query(keys)
+        wait_until(lambda: shard.server.waiting == 1)
+        assert other.query([b"j"]).result(WAIT_S) == b"j"  # the loop is not held
+        assert not over.done()
+        clock.now += 0.1  # 10 keys at 100 a second
+        assert over.result(WAIT_S) == b"|".join(keys)
+        assert shard.asked == [keys, [b"j"], keys]
+    finally:
+        shard.stop()
+
+
+def test_a_budget_gives_its_burst_then_its_rate_and_lets_a_larger_request_go_into_debt():
+    clock = Clock()
+    budget = KeyBudget(64, 8, clock)  # figures exact in binary
+    assert budget.wait_s(6) == 0
+    assert budget.wait_s(6) == 4 / 64
+    clock.now += 4 / 64
+    assert budget.wait_s(6) == 0
+    clock.now += 1.0
+    assert budget.wait_s(40) == 0  # a full bucket lets a larger request go...
+    assert budget.wait_s(1) == 33 / 64  # ...which the rate then pays back
+    clock.now += 33 / 64
+    assert budget.wait_s(1) == 0
+
+
+def test_a_request_of_more_keys_than_a_call_carries_is_a_protocol_error():
+    with pytest.raises(ValueError, match=f"{MAX_CALL_KEYS} at most"):
+        encode_keys(0, [b"k"] * (MAX_CALL_KEYS + 1))
+    body = struct.pack("<I", 0) + (struct.pack("<H", 1) + b"k") * (MAX_CALL_KEYS + 1)
+    with pytest.raises(ProtocolError, match=f"more than {MAX_CALL_KEYS} keys"):
+        decode_keys(body)

@@ -1,0 +1,47 @@
+"""The cluster's dead nodes, as one reader of Ray's node table sees them for every shard.
+
+Each Directory shard drops the holders on nodes Ray reports dead. Reading the node table is
+a call to Ray's GCS, and a cluster may run a thousand shards (many namespaces, many shards
+each): one watcher per cluster reads it (`ray_actors.node_watcher`) and the shards follow
+what it saw (`DeadNodes.since`), each applying a change once (`DirectoryState.drop_nodes`),
+not the whole table every second. Plain data and logic, no Ray.
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Iterable, Mapping
+from typing import Any, NamedTuple
+
+
+class DeadNodesVersion(NamedTuple):
+    """Which reading of the dead nodes a follower has seen: of which watcher (a restarted
+    one starts a new `epoch`) and how many changes into it."""
+
+    epoch: str
+    changes: int
+
+
+class DeadNodes:
+    """The node ids that Ray's node table reports dead, as of the latest reading, and a
+    version that moves on each reading that changed them."""
+
+    def __init__(self) -> None:
+        self.dead: frozenset[str] = frozenset()
+        self.version = DeadNodesVersion(secrets.token_hex(8), 0)
+
+    def observe(self, nodes: Iterable[Mapping[str, Any]]) -> bool:
+        """Take a reading of the table (entries of `ray.nodes()`); whether the dead nodes changed."""
+        dead = frozenset(node["NodeID"] for node in nodes if not node["Alive"])
+        if dead == self.dead:
+            return False
+        self.dead = dead
+        self.version = self.version._replace(changes=self.version.changes + 1)
+        return True
+
+    def since(self, seen: DeadNodesVersion | None) -> tuple[DeadNodesVersion, frozenset[str]] | None:
+        """(version, dead node ids) for a follower that has seen `seen` (None: nothing yet),
+        or None when it has seen them already."""
+        if seen == self.version:
+            return None
+        return self.version, self.dead

@@ -1,0 +1,110 @@
+"""What a Directory shard takes in bulk (a register's entries, a publish's changes, the
+publishes a relay carries): bounded, plain data only, checked before anything is applied
+(issue 31, finding 4; no Ray)."""
+
+import pickle
+
+import pytest
+from directory_fakes import key
+
+from distkv.directory_answer import decode_answer, encode_answer
+from distkv.directory_state import (
+    MAX_CALL_KEYS,
+    MAX_PAYLOAD_BYTES,
+    MAX_RELAYED_PUBLISHES,
+    DirectoryState,
+    ReplicaInfo,
+    pack,
+    unpack_changes,
+    unpack_plain,
+    unpack_stored,
+)
+
+A = ReplicaInfo("a", "node-1", "distkv-ns-a", 1 << 13, 1, 4096)
+B = ReplicaInfo("b", "node-2", "distkv-ns-b", 64, 1, 4096)
+EXPLODED: list[bool] = []
+
+
+def explode() -> None:
+    EXPLODED.append(True)
+
+
+class Bomb:
+    """A payload whose unpickling runs code: one that would kill a shard, each incarnation."""
+
+    def __reduce__(self):
+        return (explode, ())
+
+
+def test_a_payload_of_plain_data_crosses_as_packed():
+    stored = [(key(1), 3, 2**64 - 1), (key(2), 0, 7)]
+    assert unpack_plain(pack(stored), "register") == stored
+    assert unpack_stored(pack(stored), "register") == stored
+    assert unpack_changes(pack((stored, [key(3)])), "publish") == (stored, [key(3)])
+
+
+@pytest.mark.parametrize(
+    "data, problem",
+    [
+        (pack([(Bomb(), 1, 1)]), "names test_shard_input.explode: only plain data"),
+        (pickle.dumps(Bomb()), "names test_shard_input.explode"),
+        (pack([ReplicaInfo("x", "n", "p", 1, 1, 1)]), "names distkv.directory_state.ReplicaInfo"),
+        (b"\x80\x05garbage", "not a packed payload"),
+        ("text", "a str, not packed bytes"),
+        (bytes(MAX_PAYLOAD_BYTES + 1), f"over {MAX_PAYLOAD_BYTES}"),
+    ],
+    ids=["a bomb among the entries", "a bomb", "an object", "not a pickle", "not bytes", "too large"],
+)
+def test_a_payload_that_is_not_plain_data_of_its_size_is_refused_and_runs_nothing(data, problem):
+    with pytest.raises(ValueError, match=problem):
+        unpack_plain(data, "register")
+    assert not EXPLODED
+
+
+def test_a_call_of_more_keys_than_a_call_carries_or_of_another_shape_is_refused():
+    entries = [(key(i), i, 1) for i in range(MAX_CALL_KEYS + 1)]
+    with pytest.raises(ValueError, match=f"register: {MAX_CALL_KEYS + 1} stored entries, over {MAX_CALL_KEYS}"):
+        unpack_stored(pack(entries), "register")
+    with pytest.raises(ValueError, match=f"publish: {MAX_CALL_KEYS + 1} keys, over {MAX_CALL_KEYS}"):
+        unpack_changes(pack((entries[:-1], [key(0)])), "publish")
+    with pytest.raises(ValueError, match="not a list of stored entries"):
+        unpack_stored(pack(7), "register")
+    with pytest.raises(ValueError, match="not a \\(stored, removed\\) pair"):
+        unpack_changes(pack([[], []]), "publish")
+
+
+def test_a_relayed_publish_too_large_or_poisoned_is_refused_alone_and_the_others_applied():
+    state = DirectoryState()
+    state.register(A)
+    state.register(B)
+    good = ("b", 1, pack(([(key(1), 0, 1)], [])), None)
+    poisoned = ("a", 1, pack(([(Bomb(), 0, 1)], [])), None)
+    too_large = ("a", 2, pack(([(key(i), i, 1) for i in range(MAX_CALL_KEYS + 1)], [])), None)
+    results = state.publish_relayed([poisoned, too_large, good])
+    assert "names test_shard_input.explode" in results[0]
+    assert f"over {MAX_CALL_KEYS}" in results[1]
+    assert results[2] is True
+    assert not EXPLODED
+    assert state.query([key(1), key(2)]) == [(("b", "node-2", 0, 1),), ()]
+    assert state.stats()["stored"] == 1
+
+
+def test_a_relay_s_call_of_more_publishes_than_a_call_carries_is_refused_whole():
+    state = DirectoryState()
+    state.register(B)
+    item = ("b", 1, pack(([(key(1), 0, 1)], [])), None)
+    with pytest.raises(ValueError, match=f"over {MAX_RELAYED_PUBLISHES}"):
+        state.publish_relayed([item] * (MAX_RELAYED_PUBLISHES + 1))
+    assert state.query([key(1)]) == [()]
+
+
+@pytest.mark.parametrize("generation", [-1, 2**64])
+def test_a_generation_outside_a_slot_s_u64_is_refused_so_that_every_answer_encodes(generation):
+    """An answer carries generations as u64: one outside would fail every answer naming it."""
+    state = DirectoryState()
+    state.register(A)
+    state.publish("a", 1, [(key(1), 0, 1)], [])
+    with pytest.raises(ValueError, match=f"generation {generation} is not an int in 0..2\\*\\*64-1"):
+        state.publish("a", 2, [(key(2), 1, generation)], [])
+    holders, infos = state.answer([key(1), key(2)])
+    assert decode_answer(encode_answer(holders, infos), 2)[0] == [(("a", "node-1", 0, 1),), ()]
