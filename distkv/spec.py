@@ -22,6 +22,7 @@ from distkv.pool import HostPool, PoolLayout
 
 if TYPE_CHECKING:
     from distkv.cluster import ClusterOffloadingManager
+    from distkv.endpoint_seal import EndpointSeal
     from distkv.transport import NodeTransports, Transport
 
 logger = logging.getLogger(__name__)
@@ -72,8 +73,9 @@ class ReplicaPlan:
         return cls(config, layout, namespace, replica_id, segment_name(namespace, replica_id))
 
 
-def node_transports(mode: str, pool: HostPool, object_store: "Transport") -> "NodeTransports":
-    """The replica's transports for `transport` = mode: NIXL's too unless "object_store".
+def node_transports(mode: str, pool: HostPool, object_store: "Transport", seal: "EndpointSeal") -> "NodeTransports":
+    """The replica's transports for `transport` = mode: NIXL's too unless "object_store",
+    reading the holders whose endpoints `seal` opens.
 
     "nixl" stops the replica at start when NIXL cannot be used, with the cause and the fix;
     "auto" then reads through the object store and logs why, once.
@@ -84,7 +86,7 @@ def node_transports(mode: str, pool: HostPool, object_store: "Transport") -> "No
     nixl = None
     if mode != "object_store":
         try:
-            nixl = NixlTransport(pool, NixlAgent())
+            nixl = NixlTransport(pool, NixlAgent(), seal)
         except RdmaUnavailable as e:
             if mode == "nixl":
                 raise ValueError(f"kv_connector_extra_config 'transport'='nixl': {e}") from e
@@ -139,17 +141,20 @@ def join_cluster(plan: ReplicaPlan, pool: HostPool, local: LocalOffloadingManage
     from distkv import metrics
     from distkv.cluster import ClusterOffloadingManager
     from distkv.directory import DirectoryLink, ReplicaInfo
+    from distkv.endpoint_seal import EndpointSeal
     from distkv.names import RAY_NAMESPACE
     from distkv.promotion import Promoter
     from distkv.transport import ObjectStoreTransport
     from ray_actors.directory import shard_clients
+    from ray_actors.namespace_secret import namespace_secret
     from ray_actors.node_agent import AgentFetch, agent_relay, start_node_agent
 
     config = plan.config
-    transport = node_transports(config.transport, pool, ObjectStoreTransport(pool, AgentFetch(plan.namespace)))
+    if not ray.is_initialized():
+        ray.init(address=config.ray_address, namespace=RAY_NAMESPACE)
+    seal = EndpointSeal(plan.namespace, namespace_secret(plan.namespace), config.tenant_salt)
+    transport = node_transports(config.transport, pool, ObjectStoreTransport(pool, AgentFetch(plan.namespace)), seal)
     try:
-        if not ray.is_initialized():
-            ray.init(address=config.ray_address, namespace=RAY_NAMESPACE)
         node_id = ray.get_runtime_context().get_node_id()
         agent = start_node_agent(node_id)
         ray.get(agent.node_id.remote())
@@ -164,7 +169,7 @@ def join_cluster(plan: ReplicaPlan, pool: HostPool, local: LocalOffloadingManage
         layout.num_rows,
         layout.num_ranks,
         layout.slot_bytes,
-        endpoint=transport.endpoint,
+        endpoint=None if transport.endpoint is None else seal.seal(plan.pool_name, transport.endpoint),
     )
     shards = shard_clients(plan.namespace, config.directory_shards)
     relay = agent_relay(agent, plan.namespace, len(shards))
