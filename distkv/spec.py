@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from distkv.abstract import CanonicalKVCaches, LoadStoreSpec, OffloadingHandler, OffloadingSpec
-from distkv.config import DistkvConfig, KVIdentity, cache_namespace
+from distkv.config import DistkvConfig, KVIdentity, cache_namespace, model_settings, namespace_inputs
 from distkv.handlers import make_handlers
 from distkv.manager import LocalOffloadingManager
 from distkv.names import replica_name, segment_name
@@ -54,6 +54,8 @@ class ReplicaPlan:
     namespace: str
     replica_id: str
     pool_name: str
+    # what the namespace digests, with the tenant salt
+    identity: KVIdentity
 
     @classmethod
     def derive(
@@ -70,7 +72,7 @@ class ReplicaPlan:
         layout = PoolLayout.for_capacity(config.cpu_bytes_to_use, num_ranks, block_bytes_per_rank)
         namespace = cache_namespace(kv_identity, config.tenant_salt)
         replica_id = replica_name(engine_id)
-        return cls(config, layout, namespace, replica_id, segment_name(namespace, replica_id))
+        return cls(config, layout, namespace, replica_id, segment_name(namespace, replica_id), kv_identity)
 
 
 def node_transports(mode: str, pool: HostPool, object_store: "Transport", seal: "EndpointSeal") -> "NodeTransports":
@@ -152,6 +154,10 @@ def join_cluster(plan: ReplicaPlan, pool: HostPool, local: LocalOffloadingManage
     config = plan.config
     if not ray.is_initialized():
         ray.init(address=config.ray_address, namespace=RAY_NAMESPACE)
+    logger.info(
+        "distkv: replica %s joins cache namespace %s of %s",
+        plan.replica_id, plan.namespace, namespace_inputs(plan.identity, config.tenant_salt),
+    )
     seal = EndpointSeal(plan.namespace, namespace_secret(plan.namespace), config.tenant_salt)
     transport = node_transports(config.transport, pool, ObjectStoreTransport(pool, AgentFetch(plan.namespace)), seal)
     try:
@@ -213,16 +219,20 @@ class LocalOffloadingSpec(OffloadingSpec):
             for group in kv_cache_config.kv_cache_groups
         ]
         self.block_bytes_per_rank = self.block_size_factor * max(group_bytes)
+        model_config = _attr(vllm_config, "model_config")
         self.plan = ReplicaPlan.derive(
             self.extra_config,
             KVIdentity(
-                model=_attr(vllm_config, "model_config.model"),
-                dtype=str(_attr(vllm_config, "cache_config.cache_dtype") or _attr(vllm_config, "model_config.dtype")),
+                model=_attr(model_config, "model"),
+                dtype=str(_attr(vllm_config, "cache_config.cache_dtype") or _attr(model_config, "dtype")),
                 group_block_tokens=self.gpu_block_size,
                 blocks_per_chunk=self.block_size_factor,
                 parallel=(self.num_ranks, _attr(parallel, "decode_context_parallel_size", 1),
                           _attr(parallel, "prefill_context_parallel_size", 1)),
                 group_page_bytes=tuple(group_bytes),
+                # every setting the engine's model config offers (its revision, weights dtype,
+                # quantization, overrides, ...) but those that change no KV byte
+                model_settings=model_settings(vars(model_config) if model_config is not None else {}),
             ),
             self.block_bytes_per_rank,
             self.num_ranks,
