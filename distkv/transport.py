@@ -16,6 +16,7 @@ Promoter seals what checked out.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from abc import ABC, abstractmethod
@@ -30,6 +31,8 @@ from distkv.directory import ReplicaInfo
 from distkv.endpoint_seal import EndpointSeal
 from distkv.pool import HEADER_BYTES, HostPool, PoolLayout, RowsRead, Sealed, check_landed, copy_checksum
 from distkv.rdma import NixlAgent, PoolEndpoint, ReadQueue
+
+logger = logging.getLogger(__name__)
 
 # Per read, each rank's header as the holder sealed it; None: not to be used.
 Landed = list[list[Sealed] | None]
@@ -311,7 +314,14 @@ class NixlTransport(Transport):
             return None
         opened = self._opened.get(holder.replica_id)
         if opened is None or opened[0] != holder.endpoint:
-            opened = self._opened[holder.replica_id] = (holder.endpoint, self._seal.open(holder.pool_name, holder.endpoint))
+            endpoint = self._seal.open(holder.pool_name, holder.endpoint)
+            if endpoint is None:
+                logger.warning(
+                    "distkv: the NIXL endpoint of replica %s does not open with this replica's namespace secret "
+                    "and tenant salt: reading it through the object store (docs/operations.md#security)",
+                    holder.replica_id,
+                )
+            opened = self._opened[holder.replica_id] = (holder.endpoint, endpoint)
         return opened[1]
 
     def start(self, holder: ReplicaInfo, reads: Sequence[RowRead], wake: Callable[[], None]) -> Transfer:

@@ -508,12 +508,12 @@ class Served(Transfer):
         pass
 
 
-def test_an_endpoint_that_does_not_open_is_no_endpoint_and_the_object_store_serves_its_holder(holder):
+def test_an_endpoint_that_does_not_open_is_no_endpoint_and_the_object_store_serves_its_holder(holder, caplog):
     """A holder's sealed endpoint altered in the Directory, sealed by a replica with another
     tenant salt or without the namespace's secret, or sealed for another pool: it opens to
     nothing here, so with `transport` "nixl" or "auto" alike the object store serves that
-    holder, no NIXL peer is added and nothing raises. A member's endpoint is read through
-    NIXL, exact."""
+    holder, no NIXL peer is added, nothing raises, and the replica says why once per holder.
+    A member's endpoint is read through NIXL, exact."""
     _, _, endpoint = holder
     local = HostPool(segment_name("t" + uuid.uuid4().hex[:8], "requester"), LAYOUT)
     nixl = NixlTransport(local, NixlAgent(), SEAL, scratch_slots=8)
@@ -537,6 +537,8 @@ def test_an_endpoint_that_does_not_open_is_no_endpoint_and_the_object_store_serv
                 assert (transfer.transport, store.served) == ("object_store", [why]), (mode, why)
                 assert transfer.finish() == [None]
                 assert nixl.agent.num_peers == 0
+        warned = [r.getMessage() for r in caplog.records if "does not open" in r.getMessage()]
+        assert len(warned) == len(unopenable) and all(f"replica {why} " in " ".join(warned) for why in unopenable)
         store = ObjectStoreStandIn()
         member = NodeTransports(store, nixl, "nixl").start(info(sealed), [RowRead(KEY, 3, 7, 5)], lambda: None)
         assert member.transport == "nixl" and store.served == []
