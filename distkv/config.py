@@ -9,7 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
@@ -103,12 +103,58 @@ class DistkvConfig:
         return cls(**values)
 
 
+# Settings of an engine's model (the fields of vLLM's ModelConfig) that change no KV byte a
+# prompt produces: left out of the cache namespace, so that replicas differing only in them
+# share. Every other setting counts, one a later vLLM adds included. docs/configuration.md
+# says why each is out.
+MODEL_SETTINGS_OUTSIDE_KV = frozenset(
+    {
+        # text to token ids: a block's key is the token ids up to it
+        "tokenizer", "tokenizer_mode", "tokenizer_revision", "skip_tokenizer_init",
+        # after the last hidden state: sampling, logprobs, logits and pooling heads
+        "seed", "generation_config", "override_generation_config", "max_logprobs", "logprobs_mode",
+        "use_fp64_gumbel", "return_sampling_mask", "enable_trace_replay", "logits_processors", "pooler_config",
+        # naming, credentials, request input handling
+        "served_model_name", "hf_token", "allowed_local_media_path", "allowed_media_domains",
+        "io_processor_plugin", "renderer_num_workers", "enable_prompt_embeds",
+        # the multimodal front end (its language_model_only counts: distkv.vllm.vllm_model_settings)
+        "multimodal_config",
+        # how kernels run, not what they compute; memory management; permissions
+        "enforce_eager", "disable_cascade_attn", "enable_sleep_mode", "sleep_preserve_parameter_names",
+        "sleep_mode_backend", "sleep_mode_offload_cudagraph", "enable_nccl_comm_suspend", "enable_cumem_allocator",
+        "allow_deprecated_quantization",
+        # a draft model's, not this model's
+        "spec_target_max_model_len",
+        # the model's name: KVIdentity.model
+        "model",
+    }
+)
+
+
+# How the model's Hugging Face config is found, parsed and edited: where the engine reports
+# that config itself (`hf_config`), it counts instead, whatever made it (a callable override
+# included).
+HF_CONFIG_SOURCES = frozenset({"hf_config_path", "config_format", "hf_overrides"})
+
+
+def model_settings(settings: Mapping[str, Any]) -> tuple[tuple[str, str], ...]:
+    """KVIdentity.model_settings of an engine's model `settings` (name -> value): each one
+    but MODEL_SETTINGS_OUTSIDE_KV (and HF_CONFIG_SOURCES beside an `hf_config`), its value
+    as canonical JSON, in name order."""
+    outside = MODEL_SETTINGS_OUTSIDE_KV | (HF_CONFIG_SOURCES if "hf_config" in settings else frozenset())
+    return tuple(
+        (name, json.dumps(value, sort_keys=True, default=str))
+        for name, value in sorted(settings.items())
+        if name not in outside
+    )
+
+
 @dataclass(frozen=True)
 class KVIdentity:
     """What makes two replicas' KV bytes interchangeable: a block stored by one is loaded by
     the other only if every field is equal. Each engine adapter fills it from its engine's
-    configuration; a field its engine does not report stays None, for every replica of
-    that engine alike.
+    configuration; a field its engine does not report stays None (or empty), for every
+    replica of that engine alike.
     """
 
     # the model's name
@@ -131,6 +177,34 @@ class KVIdentity:
     tokens_per_hash: int | None = None
     # a digest of the seed the engine chains its block hashes from: another seed, other keys
     prefix_hash_seed: str | None = None
+    # what else of the engine's model changes the KV bytes a prompt produces: its weights
+    # (revision and resolved snapshot, dtype, quantization), its configuration after
+    # overrides, ... as `model_settings` gives them
+    model_settings: tuple[tuple[str, str], ...] = ()
+
+
+# a setting's value longer than this is logged as its digest (a model's whole configuration)
+_LOGGED_VALUE_CHARS = 80
+
+
+def namespace_inputs(identity: KVIdentity, tenant_salt: str) -> str:
+    """What the cache namespace digests, as a replica logs it at start: every field of
+    `identity`, long values as their digests, and whether a tenant salt is set (never the salt)."""
+
+    def shown(items: Iterable[tuple[str, Any]]) -> str:
+        parts = []
+        for name, value in items:
+            text = value if isinstance(value, str) else json.dumps(value, default=str)
+            if len(text) > _LOGGED_VALUE_CHARS:
+                text = "sha256:" + hashlib.sha256(text.encode()).hexdigest()[:16]
+            parts.append(f"{name}={text}")
+        return ", ".join(parts)
+
+    kv_fields = [(name, value) for name, value in asdict(identity).items() if name != "model_settings"]
+    return (
+        f"{shown(kv_fields)}, model_settings=[{shown(identity.model_settings)}], "
+        f"tenant_salt={'set' if tenant_salt else 'none'}"
+    )
 
 
 def cache_namespace(identity: KVIdentity, tenant_salt: str = "") -> str:

@@ -14,18 +14,16 @@ replica's info).
 from __future__ import annotations
 
 import itertools
-import struct
 from collections.abc import Mapping, Sequence
 
 import msgpack
 import numpy as np
 
 from distkv.directory_state import HolderFields, ReplicaInfo
-from distkv.rdma import PoolEndpoint
 
 # An answer names each key's holders (every replica of the namespace, at worst) and their infos.
 MAX_ANSWER_BYTES = 1 << 26
-# A str of an answer (a replica's id, node, pool name) and an endpoint, at most.
+# A str of an answer (a replica's id, node, pool name) and a sealed endpoint, at most.
 MAX_NAME_BYTES = 1 << 12
 MAX_ENDPOINT_BYTES = 1 << 20
 
@@ -33,39 +31,11 @@ ANSWER_FORMAT = 1
 # the holders' count of each key, and each holder's (index of its replica, row, generation)
 _COUNT = np.dtype("<u4")
 _FIELD = np.dtype("<u8")
-_REPLICA_FIELDS = 8  # ReplicaInfo's, in order, the endpoint as `encode_endpoint` makes it
-_ENDPOINT_HEAD = struct.Struct("<QQH")  # address, nbytes, length of the agent's name
+_REPLICA_FIELDS = 8  # ReplicaInfo's, in order
 
 
 class AnswerError(ValueError):
     """Bytes that are not a query answer of this format, or not one to the query asked."""
-
-
-def encode_endpoint(endpoint: PoolEndpoint | None) -> bytes | None:
-    """A ReplicaInfo's endpoint as it crosses in an answer (`decode_endpoint` reads it)."""
-    if endpoint is None:
-        return None
-    name = endpoint.agent_name.encode()
-    return _ENDPOINT_HEAD.pack(endpoint.address, endpoint.nbytes, len(name)) + name + endpoint.agent_metadata
-
-
-def decode_endpoint(data: object) -> PoolEndpoint | None:
-    """The endpoint `encode_endpoint` made `data` from; AnswerError if it made none."""
-    if data is None:
-        return None
-    if type(data) is bytes and len(data) > MAX_ENDPOINT_BYTES:
-        raise AnswerError(f"a query answer's endpoint of {len(data)} bytes, over {MAX_ENDPOINT_BYTES}")
-    if type(data) is not bytes or len(data) < _ENDPOINT_HEAD.size:
-        raise AnswerError(f"a query answer's endpoint {data!r:.80} is not an encoded PoolEndpoint")
-    address, nbytes, name_bytes = _ENDPOINT_HEAD.unpack_from(data)
-    end = _ENDPOINT_HEAD.size + name_bytes
-    if end > len(data):
-        raise AnswerError(f"a query answer's endpoint of {len(data)} bytes ends inside its agent's name")
-    try:
-        name = data[_ENDPOINT_HEAD.size : end].decode()
-    except UnicodeDecodeError:
-        raise AnswerError("a query answer's endpoint names its agent in bytes that are not UTF-8") from None
-    return PoolEndpoint(name, data[end:], address, nbytes)
 
 
 def encode_answer(holders: Sequence[tuple[HolderFields, ...]], infos: Mapping[str, ReplicaInfo]) -> bytes:
@@ -76,7 +46,7 @@ def encode_answer(holders: Sequence[tuple[HolderFields, ...]], infos: Mapping[st
         index[replica_id] = len(replicas)
         replicas.append([
             info.replica_id, info.node_id, info.pool_name, info.num_rows, info.num_ranks, info.slot_bytes,
-            info.cache_epoch, encode_endpoint(info.endpoint),
+            info.cache_epoch, info.endpoint,
         ])
     counts = []
     flat: list[int] = []
@@ -139,9 +109,10 @@ def _replica_info(fields: object) -> ReplicaInfo:
     for value in fields[3:7]:
         if type(value) is not int:
             raise AnswerError(f"a query answer's replica {fields[0]!r:.80}: {value!r} is not an int")
+    endpoint = fields[7]
+    if type(endpoint) is bytes and len(endpoint) > MAX_ENDPOINT_BYTES:
+        raise AnswerError(f"a query answer's endpoint of {len(endpoint)} bytes, over {MAX_ENDPOINT_BYTES}")
     try:
-        return ReplicaInfo(*fields[:7], endpoint=decode_endpoint(fields[7]))
-    except AnswerError:
-        raise
+        return ReplicaInfo(*fields[:7], endpoint=endpoint)
     except ValueError as e:
         raise AnswerError(f"a query answer's replica: {e}") from None

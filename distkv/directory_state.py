@@ -22,7 +22,6 @@ from typing import Any, NamedTuple
 from distkv.abstract import OffloadKey
 from distkv.manager import MIN_KEY_BYTES, check_keys, key_problem
 from distkv.pool import MAX_KEY_BYTES
-from distkv.rdma import PoolEndpoint
 
 # (key, row, generation): a block this replica made loadable in one of its pool's rows.
 StoredEntry = tuple[OffloadKey, int, int]
@@ -52,8 +51,9 @@ class ReplicaInfo:
     `cache_epoch` counts the replica's cache resets: replicas share blocks only within one
     epoch. It is part of the replica's id too (see ClusterOffloadingManager), so an id's
     info never changes and no view can pair a holder with another epoch's info.
-    `endpoint`: where its pool can be read one-sidedly (NIXL), if it registered it; the
-    Directory hands it only to replicas of the same cache namespace.
+    `endpoint`: where its pool can be read one-sidedly (NIXL), if it registered it, sealed
+    (`distkv.endpoint_seal`): opaque to the Directory and to whoever else is not a member
+    of the replica's cache namespace.
     """
 
     replica_id: str
@@ -63,7 +63,7 @@ class ReplicaInfo:
     num_ranks: int
     slot_bytes: int
     cache_epoch: int = 0
-    endpoint: PoolEndpoint | None = None
+    endpoint: bytes | None = None
 
     def __post_init__(self) -> None:
         for name in ("replica_id", "node_id", "pool_name"):
@@ -76,8 +76,8 @@ class ReplicaInfo:
                 raise ValueError(f"ReplicaInfo.{name}={value!r}: must be a positive int")
         if type(self.cache_epoch) is not int or self.cache_epoch < 0:
             raise ValueError(f"ReplicaInfo.cache_epoch={self.cache_epoch!r}: must be an int >= 0")
-        if self.endpoint is not None and not isinstance(self.endpoint, PoolEndpoint):
-            raise ValueError(f"ReplicaInfo.endpoint={self.endpoint!r}: must be a PoolEndpoint or None")
+        if self.endpoint is not None and type(self.endpoint) is not bytes:
+            raise ValueError(f"ReplicaInfo.endpoint={self.endpoint!r}: must be a sealed endpoint (bytes) or None")
 
 
 class Cursor(NamedTuple):

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from distkv.abstract import CanonicalKVCaches, LoadStoreSpec, OffloadingHandler, OffloadingSpec
-from distkv.config import DistkvConfig, KVIdentity, cache_namespace
+from distkv.config import DistkvConfig, KVIdentity, cache_namespace, model_settings, namespace_inputs
 from distkv.handlers import make_handlers
 from distkv.manager import LocalOffloadingManager
 from distkv.names import replica_name, segment_name
@@ -24,6 +24,7 @@ from distkv.pool import HostPool, PoolLayout
 
 if TYPE_CHECKING:
     from distkv.cluster import ClusterOffloadingManager
+    from distkv.endpoint_seal import EndpointSeal
     from distkv.transport import NodeTransports, Transport
 
 logger = logging.getLogger(__name__)
@@ -68,6 +69,8 @@ class ReplicaPlan:
     namespace: str
     replica_id: str
     pool_name: str
+    # what the namespace digests, with the tenant salt
+    identity: KVIdentity
 
     @classmethod
     def derive(
@@ -84,11 +87,12 @@ class ReplicaPlan:
         layout = PoolLayout.for_capacity(config.cpu_bytes_to_use, num_ranks, block_bytes_per_rank)
         namespace = cache_namespace(kv_identity, config.tenant_salt)
         replica_id = replica_name(engine_id)
-        return cls(config, layout, namespace, replica_id, segment_name(namespace, replica_id))
+        return cls(config, layout, namespace, replica_id, segment_name(namespace, replica_id), kv_identity)
 
 
-def node_transports(mode: str, pool: HostPool, object_store: "Transport") -> "NodeTransports":
-    """The replica's transports for `transport` = mode: NIXL's too unless "object_store".
+def node_transports(mode: str, pool: HostPool, object_store: "Transport", seal: "EndpointSeal") -> "NodeTransports":
+    """The replica's transports for `transport` = mode: NIXL's too unless "object_store",
+    reading the holders whose endpoints `seal` opens.
 
     "nixl" stops the replica at start when NIXL cannot be used, with the cause and the fix;
     "auto" then reads through the object store and logs why, once.
@@ -99,7 +103,7 @@ def node_transports(mode: str, pool: HostPool, object_store: "Transport") -> "No
     nixl = None
     if mode != "object_store":
         try:
-            nixl = NixlTransport(pool, NixlAgent())
+            nixl = NixlTransport(pool, NixlAgent(), seal)
         except RdmaUnavailable as e:
             if mode == "nixl":
                 raise ValueError(f"kv_connector_extra_config 'transport'='nixl': {e}") from e
@@ -151,22 +155,29 @@ def join_cluster(plan: ReplicaPlan, pool: HostPool, local: LocalOffloadingManage
         )
     import ray
 
+    from distkv.endpoint_seal import EndpointSeal
     from distkv.names import RAY_NAMESPACE
     from distkv.transport import ObjectStoreTransport
+    from ray_actors.namespace_secret import namespace_secret
     from ray_actors.node_agent import AgentFetch, start_node_agent
 
     config = plan.config
-    transport = node_transports(config.transport, pool, ObjectStoreTransport(pool, AgentFetch(plan.namespace)))
+    if not ray.is_initialized():
+        ray.init(address=config.ray_address, namespace=RAY_NAMESPACE)
+    logger.info(
+        "distkv: replica %s joins cache namespace %s of %s",
+        plan.replica_id, plan.namespace, namespace_inputs(plan.identity, config.tenant_salt),
+    )
+    seal = EndpointSeal(plan.namespace, namespace_secret(plan.namespace), config.tenant_salt)
+    transport = node_transports(config.transport, pool, ObjectStoreTransport(pool, AgentFetch(plan.namespace)), seal)
     # what is started, closed (the last first) should a later step fail: else the NIXL
     # agent and the threads of the transports, the link and the Promoter outlive the failure
     with contextlib.ExitStack() as started:
         started.callback(transport.close)
-        if not ray.is_initialized():
-            ray.init(address=config.ray_address, namespace=RAY_NAMESPACE)
         node_id = ray.get_runtime_context().get_node_id()
         agent = start_node_agent(node_id)
         ray.get(agent.node_id.remote())
-        manager = _join(plan, pool, local, transport, node_id, agent, started)
+        manager = _join(plan, pool, local, transport, seal, node_id, agent, started)
         started.pop_all()
         return manager
 
@@ -176,6 +187,7 @@ def _join(
     pool: HostPool,
     local: LocalOffloadingManager,
     transport: "NodeTransports",
+    seal: "EndpointSeal",
     node_id: str,
     agent: Any,
     started: contextlib.ExitStack,
@@ -197,7 +209,7 @@ def _join(
         layout.num_rows,
         layout.num_ranks,
         layout.slot_bytes,
-        endpoint=transport.endpoint,
+        endpoint=None if transport.endpoint is None else seal.seal(plan.pool_name, transport.endpoint),
     )
     shards = shard_clients(plan.namespace, config.directory_shards)
     relay = agent_relay(agent, plan.namespace, len(shards))
@@ -243,16 +255,20 @@ class LocalOffloadingSpec(OffloadingSpec):
             for group in kv_cache_config.kv_cache_groups
         ]
         self.block_bytes_per_rank = self.block_size_factor * max(group_bytes)
+        model_config = _attr(vllm_config, "model_config")
         self.plan = ReplicaPlan.derive(
             self.extra_config,
             KVIdentity(
-                model=_attr(vllm_config, "model_config.model"),
-                dtype=str(_attr(vllm_config, "cache_config.cache_dtype") or _attr(vllm_config, "model_config.dtype")),
+                model=_attr(model_config, "model"),
+                dtype=str(_attr(vllm_config, "cache_config.cache_dtype") or _attr(model_config, "dtype")),
                 group_block_tokens=self.gpu_block_size,
                 blocks_per_chunk=self.block_size_factor,
                 parallel=(self.num_ranks, _attr(parallel, "decode_context_parallel_size", 1),
                           _attr(parallel, "prefill_context_parallel_size", 1)),
                 group_page_bytes=tuple(group_bytes),
+                # every setting the engine's model config offers (its revision, weights dtype,
+                # quantization, overrides, ...) but those that change no KV byte
+                model_settings=model_settings(vars(model_config) if model_config is not None else {}),
             ),
             self.block_bytes_per_rank,
             self.num_ranks,

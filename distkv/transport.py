@@ -16,6 +16,7 @@ Promoter seals what checked out.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from abc import ABC, abstractmethod
@@ -28,8 +29,11 @@ import numpy as np
 
 from distkv.abstract import OffloadKey
 from distkv.directory import ReplicaInfo
+from distkv.endpoint_seal import EndpointSeal
 from distkv.pool import HEADER_BYTES, HostPool, PoolLayout, RowsRead, Sealed, check_landed, copy_checksum
 from distkv.rdma import NixlAgent, PoolEndpoint, ReadQueue
+
+logger = logging.getLogger(__name__)
 
 # Per read, each rank's header as the holder sealed it; None: not to be used.
 Landed = list[list[Sealed] | None]
@@ -242,7 +246,13 @@ class _NixlReads(Transfer):
     transport = "nixl"
 
     def __init__(
-        self, transport: NixlTransport, holder: ReplicaInfo, reads: Sequence[RowRead], scratch: list[int], wake: Callable[[], None]
+        self,
+        transport: NixlTransport,
+        holder: ReplicaInfo,
+        endpoint: PoolEndpoint,
+        reads: Sequence[RowRead],
+        scratch: list[int],
+        wake: Callable[[], None],
     ) -> None:
         self._transport = transport
         self._reads = reads
@@ -260,11 +270,11 @@ class _NixlReads(Transfer):
                 slots.append((remote_header, header, HEADER_BYTES))
                 generations.append((remote_header, header + HEADER_BYTES, 8))
         self._num_ranks = layout.num_ranks
-        self._endpoint = holder.endpoint
+        self._endpoint = endpoint
         self._over = False  # set on the queue's thread, read on the Promoter's
         self._failed = False
         self._queued = transport.reads.submit(
-            holder.endpoint, [np.array(slots, dtype=np.int64), np.array(generations, dtype=np.int64)], self._ended
+            endpoint, [np.array(slots, dtype=np.int64), np.array(generations, dtype=np.int64)], self._ended
         )
 
     def _ended(self, ok: bool) -> None:
@@ -322,11 +332,12 @@ class _NixlReads(Transfer):
 
 
 class NixlTransport(Transport):
-    """One-sided READs from holders whose ReplicaInfo carries a NIXL endpoint.
+    """One-sided READs from holders whose ReplicaInfo carries a NIXL endpoint that `seal`
+    opens: one sealed by a member of this replica's cache namespace.
 
-    Registers this replica's pool with its agent once (its endpoint goes into the
-    replica's own ReplicaInfo, for others to read it) and a scratch for the headers of up
-    to `scratch_slots` slots in flight.
+    Registers this replica's pool with its agent once (its endpoint, sealed, goes into the
+    replica's own ReplicaInfo, for the namespace's other members to read it) and a scratch
+    for the headers of up to `scratch_slots` slots in flight.
     """
 
     name = "nixl"
@@ -334,36 +345,61 @@ class NixlTransport(Transport):
     # after the last READ completes
     BATCH_BYTES = 16 << 20
 
-    def __init__(self, pool: HostPool, agent: NixlAgent, scratch_slots: int = 4096) -> None:
+    def __init__(self, pool: HostPool, agent: NixlAgent, seal: EndpointSeal, scratch_slots: int = 4096) -> None:
         self.pool = pool
         self.agent = agent
         self.endpoint = agent.endpoint(pool)
         self.scratch = _Scratch(agent, scratch_slots)
         self.reads = ReadQueue(agent)
+        self._seal = seal
         self._agent_of: dict[str, str] = {}  # holder replica -> the NIXL agent it was last read through
+        # holder replica -> its sealed endpoint and what it opened to (None: it did not)
+        self._opened: dict[str, tuple[bytes, PoolEndpoint | None]] = {}
+
+    def endpoint_of(self, holder: ReplicaInfo) -> PoolEndpoint | None:
+        """holder's endpoint, if it registered one and it opens here; else None (the object
+        store serves that holder). Opened once per sealed endpoint."""
+        if holder.endpoint is None:
+            return None
+        opened = self._opened.get(holder.replica_id)
+        if opened is None or opened[0] != holder.endpoint:
+            endpoint = self._seal.open(holder.pool_name, holder.endpoint)
+            if endpoint is None:
+                logger.warning(
+                    "distkv: the NIXL endpoint of replica %s does not open with this replica's namespace secret "
+                    "and tenant salt: reading it through the object store (docs/operations.md#security)",
+                    holder.replica_id,
+                )
+            opened = self._opened[holder.replica_id] = (holder.endpoint, endpoint)
+        return opened[1]
 
     def start(self, holder: ReplicaInfo, reads: Sequence[RowRead], wake: Callable[[], None]) -> Transfer:
-        if holder.endpoint is None:
-            raise ValueError(f"replica {holder.replica_id} registered no NIXL endpoint")
+        endpoint = self.endpoint_of(holder)
+        if endpoint is None:
+            raise ValueError(f"replica {holder.replica_id} registered no NIXL endpoint this replica can open")
         previous = self._agent_of.get(holder.replica_id)
-        if previous != holder.endpoint.agent_name:
+        if previous != endpoint.agent_name:
             if previous is not None:  # the holder restarted: its old agent is gone
                 self.agent.forget(previous)
-            self._agent_of[holder.replica_id] = holder.endpoint.agent_name
+            self._agent_of[holder.replica_id] = endpoint.agent_name
         scratch = self.scratch.take(len(reads) * holder.num_ranks)
         if scratch is None:
             raise RuntimeError("NIXL scratch exhausted: too many slots in flight")
         try:
-            return _NixlReads(self, holder, reads, scratch, wake)
+            return _NixlReads(self, holder, endpoint, reads, scratch, wake)
         except BaseException:
             self.scratch.give_back(scratch)
-            self.agent.forget(holder.endpoint.agent_name)
+            self.agent.forget(endpoint.agent_name)
             raise
 
     def forget_gone(self, replica_info: Callable[[str], ReplicaInfo | None]) -> None:
+        for replica_id in list(self._opened):
+            if replica_info(replica_id) is None:
+                del self._opened[replica_id]
         for replica_id, agent_name in list(self._agent_of.items()):
             info = replica_info(replica_id)
-            if info is None or info.endpoint is None or info.endpoint.agent_name != agent_name:
+            endpoint = None if info is None else self.endpoint_of(info)
+            if endpoint is None or endpoint.agent_name != agent_name:
                 del self._agent_of[replica_id]
                 self.agent.forget(agent_name)
 
@@ -415,8 +451,8 @@ class NodeTransports(Transport):
     """The transport each holder node is read through (the `transport` setting).
 
     "object_store": always the object store. "nixl": NIXL from every holder that
-    registered an endpoint, the object store from the others. "auto": from a node whose
-    holder registered an endpoint, each transport is measured on real transfers (the
+    registered an endpoint that opens here (`NixlTransport.endpoint_of`), the object store
+    from the others. "auto": from a node whose holder registered such an endpoint, each transport is measured on real transfers (the
     first two transfers go one by each) and the one that moved bytes faster carries the
     node's transfers; the other is measured again with one transfer every RECHECK_S. So
     a fabric where NIXL's reads are slower than the object store (UCX with TCP only
@@ -452,7 +488,7 @@ class NodeTransports(Transport):
 
     def chosen(self, holder: ReplicaInfo) -> Transport:
         """The transport the next transfer from `holder` takes (not counting re-measures)."""
-        if self._nixl is None or holder.endpoint is None or self._mode == "object_store":
+        if self._nixl is None or self._mode == "object_store" or self._nixl.endpoint_of(holder) is None:
             return self._object_store
         if self._mode == "nixl":
             return self._nixl
@@ -489,7 +525,7 @@ class NodeTransports(Transport):
 
     def _due(self, holder: ReplicaInfo) -> Transport | None:
         """A transport due for a measurement from holder's node, if any ("auto" only)."""
-        if self._mode != "auto" or self._nixl is None or holder.endpoint is None:
+        if self._mode != "auto" or self._nixl is None or self._nixl.endpoint_of(holder) is None:
             return None
         now = time.monotonic()
         rates = self._rates.get(holder.node_id, {})

@@ -16,12 +16,16 @@ from __future__ import annotations
 import functools
 import hashlib
 import logging
+import sys
 import threading
 from collections.abc import Collection, Iterable, Mapping
 from typing import Any
 
 try:
+    from vllm.config import VllmConfig
+    from vllm.config.utils import get_hash_factors, normalize_value
     from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import OffloadingConnectorStats
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import OffloadingConnector
     from vllm.utils.hashing import sha256
     from vllm.v1.core.kv_cache_utils import resolve_none_hash_seed
     from vllm.v1.kv_offload.base import (
@@ -54,7 +58,7 @@ except ImportError as e:
 
 from distkv import abstract
 from distkv.cluster import ClusterOffloadingManager
-from distkv.config import KVIdentity
+from distkv.config import HF_CONFIG_SOURCES, MODEL_SETTINGS_OUTSIDE_KV, KVIdentity, model_settings
 from distkv.directory_state import prefix_root
 from distkv.handlers import make_handlers
 from distkv.manager import LocalOffloadingManager
@@ -93,8 +97,57 @@ def prefix_hash_seed() -> str:
     return resolve_none_hash_seed(sha256)
 
 
-def replica_plan(config: OffloadingConfig) -> ReplicaPlan:
-    """The replica's plan from vLLM's OffloadingConfig, equal in the scheduler and workers.
+# vLLM's CacheConfig fields that change the KV bytes a prompt produces, beyond the KV dtype
+# and layout the OffloadingConfig gives: layers whose KV stays in the model's dtype under a
+# quantized KV cache, and the dtypes of Mamba layers' state blocks.
+CACHE_SETTINGS_IN_KV = ("kv_cache_dtype_skip_layers", "mamba_cache_dtype", "mamba_ssm_cache_dtype")
+
+
+def connector_vllm_config() -> VllmConfig:
+    """The VllmConfig of the OffloadingConnector that is building the spec now.
+
+    vLLM 0.33 hands a spec only an OffloadingConfig, which keeps of the model its name and
+    KV dtype: not its revision, weights dtype, quantization or config overrides, which
+    change the KV bytes of every prompt (docs/configuration.md). It builds the spec inside
+    `OffloadingConnector.__init__(self, vllm_config, role, kv_cache_config)`, in the
+    scheduler and in every worker. This is the one place that reads that constructor's
+    `vllm_config`, found on the call stack by the constructor's own code, read-only. A spec
+    built elsewhere would not know which weights it caches: a ValueError says so.
+    """
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code is OffloadingConnector.__init__.__code__:
+            vllm_config = frame.f_locals.get("vllm_config")
+            if isinstance(vllm_config, VllmConfig):
+                return vllm_config
+        frame = frame.f_back
+    raise ValueError(
+        "distkv.vllm.RayOffloadingSpec must be built by vLLM's OffloadingConnector "
+        "(kv_transfer_config 'kv_connector': 'OffloadingConnector'): the model's revision, weights "
+        "and config overrides, part of the cache namespace, come from the VllmConfig it is built with"
+    )
+
+
+def vllm_model_settings(vllm_config: VllmConfig) -> tuple[tuple[str, str], ...]:
+    """KVIdentity.model_settings of a vLLM engine: every field of its ModelConfig but those
+    that change no KV byte (MODEL_SETTINGS_OUTSIDE_KV; for HF_CONFIG_SOURCES hf_config,
+    after every override, counts), as vLLM normalizes them for its own config hash; the
+    revision as the commit vLLM resolved it to on the Hub, where it did (`main` and that
+    commit's hash are one snapshot); whether a multimodal model runs its language model
+    only (vLLM counts it: it changes the graph); CACHE_SETTINGS_IN_KV."""
+    model = vllm_config.model_config
+    settings = get_hash_factors(model, MODEL_SETTINGS_OUTSIDE_KV | HF_CONFIG_SOURCES)
+    settings["revision"] = getattr(model.revision, "resolved", None) or model.revision
+    if model.multimodal_config is not None:
+        settings["language_model_only"] = model.multimodal_config.language_model_only
+    for name in CACHE_SETTINGS_IN_KV:
+        settings[f"cache.{name}"] = normalize_value(getattr(vllm_config.cache_config, name))
+    return model_settings(settings)
+
+
+def replica_plan(config: OffloadingConfig, settings: tuple[tuple[str, str], ...]) -> ReplicaPlan:
+    """The replica's plan from vLLM's OffloadingConfig and its model's `settings`
+    (`vllm_model_settings`), equal in the scheduler and workers.
 
     The extra config is checked by DistkvConfig once vLLM's own keys are set aside.
     Replicas whose block hashes start from different seeds compute different keys for the
@@ -126,6 +179,7 @@ def replica_plan(config: OffloadingConfig) -> ReplicaPlan:
             kv_cache_layout=config.kv_cache_layout,
             tokens_per_hash=config.cache.tokens_per_hash,
             prefix_hash_seed=hashlib.sha256(prefix_hash_seed().encode()).hexdigest(),
+            model_settings=settings,
         ),
         config.worker_kv_bytes_per_block * blocks_per_chunk,
         parallel.world_size,
@@ -390,7 +444,7 @@ class RayOffloadingSpec(OffloadingSpec):
 
     def __init__(self, config: OffloadingConfig):
         super().__init__(config)
-        self.plan = replica_plan(config)
+        self.plan = replica_plan(config, vllm_model_settings(connector_vllm_config()))
         # vLLM's worker index in [0, world_size), the tensor-parallel rank without PP or PCP;
         # vLLM's own CPU spec places a worker's slot of its shared region by it too.
         self.rank = config.parallel.rank
@@ -454,9 +508,11 @@ __all__ = [
     "DistkvOffloadingManager",
     "DistkvOffloadingWorker",
     "RayOffloadingSpec",
+    "connector_vllm_config",
     "first_chunk",
     "offload_key_positions",
     "prefix_hash_seed",
     "request_root",
     "replica_plan",
+    "vllm_model_settings",
 ]

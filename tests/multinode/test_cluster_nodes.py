@@ -14,6 +14,7 @@ import pytest
 import ray
 from clusters import simulated_cluster
 from ray._private import internal_api
+from ray.experimental.internal_kv import _internal_kv_del
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from distkv.directory_answer import decode_answer
@@ -21,6 +22,7 @@ from distkv.harness import block_keys
 from distkv.names import RAY_NAMESPACE, SEGMENT_PREFIX, agent_name, segment_name
 from distkv.spec import ClusterOffloadingSpec
 from ray_actors.directory import get_or_create_shards, kill_shards
+from ray_actors.namespace_secret import secret_key
 from ray_actors.replica import ReplicaActor
 
 BLOCK_TOKENS = 16
@@ -209,6 +211,29 @@ def test_a_prefix_from_another_node_comes_by_the_transport_configured(cluster, r
     blocks, nbytes, seconds = ray.get(b.transported.remote())[transport]
     assert (blocks, nbytes) == (16, 16 * SLOT_BYTES) and seconds > 0
     assert list(ray.get(b.transported.remote())) == [transport]
+    group.shutdown()
+    assert not group.segments()
+
+
+def test_a_replica_that_cannot_open_a_holders_endpoint_reads_it_through_the_object_store(cluster, replicas):
+    """`transport` "nixl", and B joins after the namespace's secret was taken out of Ray's
+    GCS, as a replica outside the namespace would: B makes another secret, so A's sealed
+    endpoint does not open for B. B then reads A's blocks through the object store, every
+    one a hit and none wrong, and never through NIXL."""
+    pytest.importorskip("nixl")
+    _, (n1, n2, _) = cluster
+    group = replicas(transport="nixl")
+    a = group.start("a", n1, pool_blocks=64)
+    _internal_kv_del(secret_key(group.namespace), namespace=RAY_NAMESPACE)
+    b = group.start("b", n2, pool_blocks=64)
+    tokens = prompt(8, 16)
+    keys = block_keys(tokens, BLOCK_TOKENS)
+    assert ray.get(a.serve.remote(tokens))["stored_blocks"] == 16
+    wait_visible(b, keys, "a")
+    result = ray.get(b.serve.remote(tokens))
+    assert result["hit_blocks"] == 16
+    assert result["mismatches"] == 0 and result["load_failures"] == 0
+    assert list(ray.get(b.transported.remote())) == ["object_store"]
     group.shutdown()
     assert not group.segments()
 

@@ -28,6 +28,7 @@ from distkv.manager import LocalOffloadingManager
 from distkv.names import segment_name
 from distkv.pool import PAGE_BYTES, HostPool, PoolLayout
 from distkv.promotion import Promoter
+from distkv.endpoint_seal import EndpointSeal, new_secret
 from distkv.rdma import PoolEndpoint
 from distkv.transport import NixlTransport
 
@@ -80,14 +81,14 @@ def replica(monkeypatch):
     namespace = "tcancel" + uuid.uuid4().hex[:8]
     pool = HostPool(segment_name(namespace, "local"), LAYOUT)
     directory = FakeDirectory()
-    holder_endpoint = PoolEndpoint("holder", b"", 1 << 40, LAYOUT.total_bytes)
-    directory.infos["holder"] = ReplicaInfo(
-        "holder", "node-2", segment_name(namespace, "holder"), 1, 1, PAGE_BYTES, endpoint=holder_endpoint
-    )
+    seal = EndpointSeal(namespace, new_secret(), "")
+    holder_pool = segment_name(namespace, "holder")
+    holder_endpoint = seal.seal(holder_pool, PoolEndpoint("holder", b"", 1 << 40, LAYOUT.total_bytes))
+    directory.infos["holder"] = ReplicaInfo("holder", "node-2", holder_pool, 1, 1, PAGE_BYTES, endpoint=holder_endpoint)
     directory.holders[PROMOTED] = {"holder": Holder("holder", "node-2", 0, 7)}
     link = FakeLink(directory, ReplicaInfo("local", "node-1", pool.name, 1, 1, PAGE_BYTES))
     agent = NixlStandIn()
-    transport = NixlTransport(pool, agent, scratch_slots=8)
+    transport = NixlTransport(pool, agent, seal, scratch_slots=8)
     promoter = Promoter(pool, "node-1", link.replica, transport, namespace=namespace)
     manager = ClusterOffloadingManager(LocalOffloadingManager(1), link, promoter, promotion_timeout_s=TIMEOUT_S)
     try:

@@ -25,11 +25,16 @@ from distkv.pool import (  # noqa: E402
     reclaim_stale_segments,
 )
 from distkv.directory import ReplicaInfo  # noqa: E402
+from distkv.endpoint_seal import EndpointSeal, new_secret  # noqa: E402
 from distkv.rdma import NixlAgent, RdmaUnavailable, load_nixl  # noqa: E402
-from distkv.transport import NixlTransport, RowRead  # noqa: E402
+from distkv.transport import NixlTransport, NodeTransports, RowRead, Transfer, Transport  # noqa: E402
 
 LAYOUT = PoolLayout(num_rows=8, num_ranks=2, slot_bytes=2 * PAGE_BYTES)
 KEY = b"rdma-block\x00\x00\x00\x00"
+# the requesters' and the holder's cache namespace, and the holder's pool in it
+SECRET = new_secret()
+SEAL = EndpointSeal("x", SECRET, "")
+HOLDER_POOL = "distkv-x-holder"
 
 
 def payload_of(row: int, rank: int, version: int) -> np.ndarray:
@@ -200,9 +205,9 @@ def test_the_nixl_transport_lands_checks_and_fails_into_misses(holder):
     peer and gives the scratch back."""
     process, _, endpoint = holder
     local = HostPool(segment_name("t" + uuid.uuid4().hex[:8], "requester"), LAYOUT)
-    transport = NixlTransport(local, NixlAgent(), scratch_slots=8)
-    info = ReplicaInfo("holder", "node-a", "distkv-x-holder", LAYOUT.num_rows, LAYOUT.num_ranks, LAYOUT.slot_bytes,
-                       endpoint=endpoint)
+    transport = NixlTransport(local, NixlAgent(), SEAL, scratch_slots=8)
+    info = ReplicaInfo("holder", "node-a", HOLDER_POOL, LAYOUT.num_rows, LAYOUT.num_ranks, LAYOUT.slot_bytes,
+                       endpoint=SEAL.seal(HOLDER_POOL, endpoint))
 
     def run(reads):
         transfer = transport.start(info, reads, lambda: None)
@@ -246,11 +251,11 @@ def test_a_closed_holder_pool_fails_reads_into_misses_and_is_forgotten(holder):
     pool is read afresh, and a read through the old descriptors stays a failure."""
     _, conn, endpoint = holder
     local = HostPool(segment_name("t" + uuid.uuid4().hex[:8], "requester"), LAYOUT)
-    transport = NixlTransport(local, NixlAgent(), scratch_slots=8)
+    transport = NixlTransport(local, NixlAgent(), SEAL, scratch_slots=8)
 
     def info(endpoint):
-        return ReplicaInfo("holder", "node-a", "distkv-x-holder", LAYOUT.num_rows, LAYOUT.num_ranks,
-                           LAYOUT.slot_bytes, endpoint=endpoint)
+        return ReplicaInfo("holder", "node-a", HOLDER_POOL, LAYOUT.num_rows, LAYOUT.num_ranks,
+                           LAYOUT.slot_bytes, endpoint=SEAL.seal(HOLDER_POOL, endpoint))
 
     def run(endpoint, generation):
         """What landed, or None when the transfer failed; never past a bound far beyond a failed read."""
@@ -333,9 +338,9 @@ def one_sided():
     holder_agent = NixlAgent()
     endpoint = holder_agent.endpoint(holder_pool)
     local = HostPool(segment_name("t" + uuid.uuid4().hex[:8], "requester"), LAYOUT)
-    transport = NixlTransport(local, SteppedAgent(), scratch_slots=8)
-    info = ReplicaInfo("holder", "node-a", "distkv-x-holder", LAYOUT.num_rows, LAYOUT.num_ranks, LAYOUT.slot_bytes,
-                       endpoint=endpoint)
+    transport = NixlTransport(local, SteppedAgent(), SEAL, scratch_slots=8)
+    info = ReplicaInfo("holder", "node-a", HOLDER_POOL, LAYOUT.num_rows, LAYOUT.num_ranks, LAYOUT.slot_bytes,
+                       endpoint=SEAL.seal(HOLDER_POOL, endpoint))
     yield holder_pool, transport, info, iter(range(100, 1 << 30, 2))
     transport.close()
     local.close()
@@ -420,9 +425,9 @@ def test_a_holder_that_left_is_forgotten_even_with_a_read_in_flight(holder):
     and gives its scratch back, and the next read of it connects afresh."""
     _, _, endpoint = holder
     local = HostPool(segment_name("t" + uuid.uuid4().hex[:8], "requester"), LAYOUT)
-    transport = NixlTransport(local, NixlAgent(), scratch_slots=8)
-    info = ReplicaInfo("holder", "node-a", "distkv-x-holder", LAYOUT.num_rows, LAYOUT.num_ranks, LAYOUT.slot_bytes,
-                       endpoint=endpoint)
+    transport = NixlTransport(local, NixlAgent(), SEAL, scratch_slots=8)
+    info = ReplicaInfo("holder", "node-a", HOLDER_POOL, LAYOUT.num_rows, LAYOUT.num_ranks, LAYOUT.slot_bytes,
+                       endpoint=SEAL.seal(HOLDER_POOL, endpoint))
 
     try:
         assert land(transport.start(info, [RowRead(KEY, 3, 7, 5)], lambda: None), "a read of a forgotten holder")[0] is not None
@@ -439,4 +444,107 @@ def test_a_holder_that_left_is_forgotten_even_with_a_read_in_flight(holder):
         assert transport.agent.num_peers == 1
     finally:
         transport.close()
+        local.close()
+
+
+def test_whoever_holds_a_pools_endpoint_can_write_into_it():
+    """Why an endpoint goes out sealed: NIXL 1.5 registers memory for remote WRITEs as well
+    as READs (UCX's memory keys grant both), so whoever holds a pool's endpoint changes its
+    bytes, headers and checksums included, with no call the holder sees. distkv itself only
+    reads."""
+    api = load_nixl()
+    pool = HostPool(segment_name("t" + uuid.uuid4().hex[:8], "holder"), LAYOUT)
+    holder_agent = NixlAgent()
+    endpoint = holder_agent.endpoint(pool)
+    intruder = api.nixl_agent(f"intruder-{uuid.uuid4().hex[:8]}", api.nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
+    source = np.full(LAYOUT.slot_bytes, 0xAB, dtype=np.uint8)
+    registered = intruder.register_memory([(source.ctypes.data, source.nbytes, 0, "")], "DRAM")
+    try:
+        peer = intruder.add_remote_agent(endpoint.agent_metadata)
+        handle = intruder.initialize_xfer(
+            "WRITE",
+            intruder.get_xfer_descs(np.array([[source.ctypes.data, source.nbytes, 0]], dtype=np.int64), "DRAM"),
+            intruder.get_xfer_descs(
+                np.array([[endpoint.address + LAYOUT.slot_offset(1, 2), source.nbytes, 0]], dtype=np.int64), "DRAM"
+            ),
+            peer,
+        )
+        state = intruder.transfer(handle)
+        deadline = time.monotonic() + 60
+        while state == "PROC" and time.monotonic() < deadline:
+            state = intruder.check_xfer_state(handle)
+        intruder.release_xfer_handle(handle)
+        assert state == "DONE"
+        np.testing.assert_array_equal(pool.payload[1, 2], source)
+    finally:
+        intruder.deregister_memory(registered)
+        holder_agent.close()
+        pool.close()
+
+
+class ObjectStoreStandIn(Transport):
+    """The object store's place in NodeTransports: records the holders it was asked to read."""
+
+    name = "object_store"
+
+    def __init__(self) -> None:
+        self.served: list[str] = []
+
+    def start(self, holder, reads, wake) -> Transfer:
+        self.served.append(holder.replica_id)
+        return Served()
+
+
+class Served(Transfer):
+    transport = "object_store"
+
+    def done(self) -> bool:
+        return True
+
+    def finish(self):
+        return [None]
+
+    def cancel(self) -> None:
+        pass
+
+
+def test_an_endpoint_that_does_not_open_is_no_endpoint_and_the_object_store_serves_its_holder(holder, caplog):
+    """A holder's sealed endpoint altered in the Directory, sealed by a replica with another
+    tenant salt or without the namespace's secret, or sealed for another pool: it opens to
+    nothing here, so with `transport` "nixl" or "auto" alike the object store serves that
+    holder, no NIXL peer is added, nothing raises, and the replica says why once per holder.
+    A member's endpoint is read through NIXL, exact."""
+    _, _, endpoint = holder
+    local = HostPool(segment_name("t" + uuid.uuid4().hex[:8], "requester"), LAYOUT)
+    nixl = NixlTransport(local, NixlAgent(), SEAL, scratch_slots=8)
+    sealed = SEAL.seal(HOLDER_POOL, endpoint)
+    unopenable = {
+        "altered": sealed[:-1] + bytes([sealed[-1] ^ 1]),
+        "other salt": EndpointSeal("x", SECRET, "another tenant").seal(HOLDER_POOL, endpoint),
+        "no secret": EndpointSeal("x", new_secret(), "").seal(HOLDER_POOL, endpoint),
+        "another pool": SEAL.seal("distkv-x-other", endpoint),
+    }
+
+    def info(blob: bytes, replica: str = "holder") -> ReplicaInfo:
+        return ReplicaInfo(replica, "node-a", HOLDER_POOL, LAYOUT.num_rows, LAYOUT.num_ranks, LAYOUT.slot_bytes, endpoint=blob)
+
+    try:
+        for mode in ("nixl", "auto"):
+            for why, blob in unopenable.items():
+                store = ObjectStoreStandIn()
+                chooser = NodeTransports(store, nixl, mode)
+                transfer = chooser.start(info(blob, why), [RowRead(KEY, 3, 7, 5)], lambda: None)
+                assert (transfer.transport, store.served) == ("object_store", [why]), (mode, why)
+                assert transfer.finish() == [None]
+                assert nixl.agent.num_peers == 0
+        warned = [r.getMessage() for r in caplog.records if "does not open" in r.getMessage()]
+        assert len(warned) == len(unopenable) and all(f"replica {why} " in " ".join(warned) for why in unopenable)
+        store = ObjectStoreStandIn()
+        member = NodeTransports(store, nixl, "nixl").start(info(sealed), [RowRead(KEY, 3, 7, 5)], lambda: None)
+        assert member.transport == "nixl" and store.served == []
+        assert land(member, "a member's read")[0] is not None
+        for rank in range(LAYOUT.num_ranks):
+            np.testing.assert_array_equal(local.payload[rank, 5], payload_of(3, rank, 0))
+    finally:
+        nixl.close()
         local.close()

@@ -10,16 +10,17 @@ import uuid
 import pytest
 
 from distkv.directory import ReplicaInfo
+from distkv.endpoint_seal import EndpointSeal, new_secret
 from distkv.names import segment_name
 from distkv.pool import PAGE_BYTES, HostPool, PoolLayout
 from distkv.spec import node_transports
-from distkv.rdma import PoolEndpoint
 from distkv.transport import NodeTransports, RowRead, Transfer, Transport
 
-ENDPOINT = PoolEndpoint("agent-b", b"metadata", 1 << 40, 1 << 20)
+ENDPOINT = b"a sealed endpoint"
+SEAL = EndpointSeal("ns", new_secret(), "")
 
 
-def holder(node: str, endpoint: PoolEndpoint | None = ENDPOINT) -> ReplicaInfo:
+def holder(node: str, endpoint: bytes | None = ENDPOINT) -> ReplicaInfo:
     return ReplicaInfo(f"r-{node}", node, "distkv-ns-r", 16, 1, 4096, endpoint=endpoint)
 
 
@@ -49,6 +50,10 @@ class FakeTransport(Transport):
     def start(self, holder, reads, wake):
         self.started.append(FakeTransfer(self.name))
         return self.started[-1]
+
+    def endpoint_of(self, holder):
+        """As NixlTransport's: here every endpoint a holder registered opens."""
+        return holder.endpoint
 
 
 @pytest.fixture
@@ -189,7 +194,7 @@ def pool():
 def test_nixl_missing_stops_a_replica_that_asked_for_it(pool, monkeypatch):
     monkeypatch.setitem(sys.modules, "nixl", None)
     with pytest.raises(ValueError, match=r"'transport'='nixl'.*pip install 'ray-distkv\[rdma\]'"):
-        node_transports("nixl", pool, FakeTransport("object_store"))
+        node_transports("nixl", pool, FakeTransport("object_store"), SEAL)
 
 
 def test_a_nixl_agent_that_does_not_start_stops_a_replica_that_asked_for_it(pool, monkeypatch):
@@ -202,13 +207,13 @@ def test_a_nixl_agent_that_does_not_start_stops_a_replica_that_asked_for_it(pool
 
     monkeypatch.setattr("distkv.rdma.load_nixl", NoUcx)
     with pytest.raises(ValueError, match=r"'transport'='nixl'.*did not start \(no UCX backend\).*'object_store'"):
-        node_transports("nixl", pool, FakeTransport("object_store"))
+        node_transports("nixl", pool, FakeTransport("object_store"), SEAL)
 
 
 def test_nixl_missing_leaves_auto_on_the_object_store_and_says_why_once(pool, monkeypatch, caplog):
     monkeypatch.setitem(sys.modules, "nixl", None)
     with caplog.at_level(logging.WARNING, logger="distkv.spec"):
-        chooser = node_transports("auto", pool, FakeTransport("object_store"))
+        chooser = node_transports("auto", pool, FakeTransport("object_store"), SEAL)
     assert chooser.endpoint is None
     assert [r.getMessage() for r in caplog.records if "object store only" in r.getMessage()] == [
         "distkv: transport 'auto' reads other nodes through the object store only: "
@@ -219,4 +224,4 @@ def test_nixl_missing_leaves_auto_on_the_object_store_and_says_why_once(pool, mo
 
 def test_the_object_store_setting_registers_nothing(pool, monkeypatch):
     monkeypatch.setitem(sys.modules, "nixl", None)  # not even imported
-    assert node_transports("object_store", pool, FakeTransport("object_store")).endpoint is None
+    assert node_transports("object_store", pool, FakeTransport("object_store"), SEAL).endpoint is None

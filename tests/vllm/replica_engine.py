@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -47,9 +48,26 @@ DISTKV_EXTRA = {"spec_name": "RayOffloadingSpec", "spec_module_path": "distkv.vl
 init_none_hash(sha256)
 
 
-def vllm_config(model_dir: str, extra_config: dict[str, Any], kv_events: bool = False) -> VllmConfig:
+def vllm_config(
+    model_dir: str,
+    extra_config: dict[str, Any],
+    kv_events: bool = False,
+    model: dict[str, Any] | None = None,
+    cache: dict[str, Any] | None = None,
+) -> VllmConfig:
+    """The engine's configuration; `model` and `cache`: ModelConfig and CacheConfig settings
+    other than the defaults here."""
     config = VllmConfig(
-        model_config=ModelConfig(model=model_dir, dtype="float16", seed=0, skip_tokenizer_init=True),
+        model_config=ModelConfig(
+            **{
+                "model": model_dir,
+                "dtype": "float16",
+                "seed": 0,
+                "skip_tokenizer_init": True,
+                "max_model_len": MAX_MODEL_LEN,
+                **(model or {}),
+            }
+        ),
         scheduler_config=SchedulerConfig(
             max_num_seqs=8,
             max_num_batched_tokens=MAX_MODEL_LEN,
@@ -57,7 +75,7 @@ def vllm_config(model_dir: str, extra_config: dict[str, Any], kv_events: bool = 
             enable_chunked_prefill=True,
             is_encoder_decoder=False,
         ),
-        cache_config=CacheConfig(block_size=GPU_BLOCK_TOKENS, enable_prefix_caching=True),
+        cache_config=CacheConfig(block_size=GPU_BLOCK_TOKENS, enable_prefix_caching=True, **(cache or {})),
         kv_transfer_config=KVTransferConfig(
             kv_connector="OffloadingConnector", kv_role="kv_both", kv_connector_extra_config=extra_config
         ),
@@ -91,8 +109,19 @@ def token_kv(tokens: list[int]) -> np.ndarray:
 class EngineReplica:
     """One engine replica: schedule, run the worker connector, "compute", feed the output back."""
 
-    def __init__(self, model_dir: str, extra_config: dict[str, Any], kv_events: bool = False):
-        config = vllm_config(model_dir, extra_config, kv_events)
+    def __init__(
+        self,
+        model_dir: str,
+        extra_config: dict[str, Any],
+        kv_events: bool = False,
+        model: dict[str, Any] | None = None,
+        cache: dict[str, Any] | None = None,
+        configure: Callable[[VllmConfig], None] | None = None,
+    ):
+        """`model`, `cache`: as `vllm_config`'s; `configure` then changes the built config."""
+        config = vllm_config(model_dir, extra_config, kv_events, model, cache)
+        if configure is not None:
+            configure(config)
         kv_config = kv_cache_config()
         # in vLLM's engine core's order: the workers' KV caches, then the scheduler
         self.worker = OffloadingConnector(config, KVConnectorRole.WORKER, kv_config)

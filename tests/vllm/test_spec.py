@@ -36,12 +36,26 @@ from vllm.v1.kv_offload.factory import OffloadingSpecFactory  # noqa: E402
 
 from distkv.manager import LocalOffloadingManager  # noqa: E402
 from distkv.pool import SHM_DIR  # noqa: E402
-from distkv.vllm import DistkvOffloadingWorker, RayOffloadingSpec, prefix_hash_seed, replica_plan  # noqa: E402
+from distkv.vllm import (  # noqa: E402
+    DistkvOffloadingWorker,
+    RayOffloadingSpec,
+    prefix_hash_seed,
+    replica_plan,
+    vllm_model_settings,
+)
 
 PAGE_BYTES = 1024
 LAYERS = 2
 BLOCKS_PER_CHUNK = 2
 NUM_GPU_BLOCKS = 32
+
+
+@pytest.fixture(autouse=True)
+def built_by_a_connector(model_dir, monkeypatch):
+    """The specs these tests build from an OffloadingConfig of their own find the model's
+    VllmConfig as those vLLM's OffloadingConnector builds do (distkv.vllm.connector_vllm_config)."""
+    config = vllm_config(model_dir, DISTKV_EXTRA)
+    monkeypatch.setattr("distkv.vllm.connector_vllm_config", lambda: config)
 
 
 def offloading_config(extra: dict, engine_id: str | None = None, rank: int = 0, world_size: int = 1) -> OffloadingConfig:
@@ -124,7 +138,7 @@ def test_replicas_with_other_hash_seeds_are_other_namespaces(monkeypatch):
             monkeypatch.delenv("PYTHONHASHSEED", raising=False)
         else:
             monkeypatch.setenv("PYTHONHASHSEED", seed)
-        return replica_plan(config).namespace
+        return replica_plan(config, ()).namespace  # the model's settings alike
 
     assert namespace("1") != namespace("2")
     assert namespace("1") == namespace("1")
@@ -141,7 +155,7 @@ def test_an_fp8_kv_cache_is_another_namespace_than_a_float16_one(model_dir, cach
         config = vllm_config(model_dir, {**DISTKV_EXTRA, "cpu_bytes_to_use": 1 << 20})
         config.kv_transfer_config.engine_id = engine
         config.cache_config.cache_dtype = dtype
-        return replica_plan(build_offloading_config(config, kv_cache_config()))
+        return replica_plan(build_offloading_config(config, kv_cache_config()), vllm_model_settings(config))
 
     assert plan("auto").namespace == plan("auto").namespace
     assert plan(cache_dtype).namespace != plan("auto").namespace

@@ -20,9 +20,9 @@ pytest.importorskip("vllm.v1.kv_offload.base")
 from clusters import simulated_cluster  # noqa: E402
 from engine_actor import EngineActor  # noqa: E402
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy  # noqa: E402
-from replica_engine import DISTKV_EXTRA, GPU_BLOCK_TOKENS  # noqa: E402
+from replica_engine import DISTKV_EXTRA, GPU_BLOCK_TOKENS, vllm_config  # noqa: E402
 
-from distkv.vllm import replica_plan  # noqa: E402
+from distkv.vllm import replica_plan, vllm_model_settings  # noqa: E402
 from ray_actors.directory import kill_shards  # noqa: E402
 
 PREFIX_TOKENS = 4096
@@ -96,11 +96,12 @@ def test_replica_b_on_another_node_loads_the_prefix_replica_a_computed(engines):
     assert ray.get(b.transported.remote())["nixl"][1] == cross_node  # read one-sidedly, every byte
 
 
-def test_a_worker_process_derives_the_plan_of_its_scheduler(engines, monkeypatch):
+def test_a_worker_process_derives_the_plan_of_its_scheduler(engines, model_dir, monkeypatch):
     """The worker side of A, in A's process, and a scheduler here, given the same
-    OffloadingConfig and PYTHONHASHSEED, meet in the same pool; another seed would not."""
+    OffloadingConfig, model and PYTHONHASHSEED, meet in the same pool; another seed would not."""
     config, worker_plan = ray.get(engines[0].worker_plan.remote())
+    settings = vllm_model_settings(vllm_config(model_dir, dict(config.extra_config)))
     monkeypatch.setenv("PYTHONHASHSEED", HASH_SEED)
-    assert replica_plan(config) == worker_plan
+    assert replica_plan(config, settings) == worker_plan
     monkeypatch.setenv("PYTHONHASHSEED", HASH_SEED + "0")
-    assert replica_plan(config).namespace != worker_plan.namespace
+    assert replica_plan(config, settings).namespace != worker_plan.namespace
