@@ -112,24 +112,30 @@ def replica_plan(config: OffloadingConfig) -> ReplicaPlan:
             f"vLLM reports {config.worker_kv_bytes_per_block} KV bytes per block: distkv needs "
             "the KV cache to be allocated before the connector is built"
         )
-    blocks_per_chunk = config.cache.blocks_per_chunk
-    parallel = config.parallel
     return ReplicaPlan.derive(
         {k: v for k, v in extra.items() if k not in VLLM_CONNECTOR_KEYS},
-        KVIdentity(
-            model=config.model.name,
-            dtype=config.model.dtype,
-            group_block_tokens=tuple(group.tokens_per_block for group in config.groups),
-            blocks_per_chunk=blocks_per_chunk,
-            parallel=(parallel.world_size, parallel.tp_size, parallel.pp_size, parallel.pcp_size, parallel.dcp_size),
-            worker_kv_bytes_per_block=config.worker_kv_bytes_per_block,
-            kv_cache_layout=config.kv_cache_layout,
-            tokens_per_hash=config.cache.tokens_per_hash,
-            prefix_hash_seed=hashlib.sha256(prefix_hash_seed().encode()).hexdigest(),
-        ),
-        config.worker_kv_bytes_per_block * blocks_per_chunk,
-        parallel.world_size,
+        kv_identity(config),
+        config.worker_kv_bytes_per_block * config.cache.blocks_per_chunk,
+        config.parallel.world_size,
         config.engine_id,
+    )
+
+
+def kv_identity(config: OffloadingConfig) -> KVIdentity:
+    """What makes a vLLM replica's KV bytes interchangeable with another's, from its
+    OffloadingConfig: the namespace's inputs for distkv's spec and for its tier
+    (distkv.vllm_tier) alike."""
+    parallel = config.parallel
+    return KVIdentity(
+        model=config.model.name,
+        dtype=config.model.dtype,
+        group_block_tokens=tuple(group.tokens_per_block for group in config.groups),
+        blocks_per_chunk=config.cache.blocks_per_chunk,
+        parallel=(parallel.world_size, parallel.tp_size, parallel.pp_size, parallel.pcp_size, parallel.dcp_size),
+        worker_kv_bytes_per_block=config.worker_kv_bytes_per_block,
+        kv_cache_layout=config.kv_cache_layout,
+        tokens_per_hash=config.cache.tokens_per_hash,
+        prefix_hash_seed=hashlib.sha256(prefix_hash_seed().encode()).hexdigest(),
     )
 
 
@@ -453,6 +459,7 @@ __all__ = [
     "DistkvOffloadingWorker",
     "RayOffloadingSpec",
     "first_chunk",
+    "kv_identity",
     "offload_key_positions",
     "prefix_hash_seed",
     "request_root",
