@@ -131,6 +131,10 @@ class KVIdentity:
     tokens_per_hash: int | None = None
     # a digest of the seed the engine chains its block hashes from: another seed, other keys
     prefix_hash_seed: str | None = None
+    # How a pool row holds a block: None in distkv's spec (a slot per worker rank, in its
+    # handlers' page order); in its vLLM tier, the bytes of vLLM's primary-tier chunk, named
+    # by their layout (distkv.vllm_tier.primary_chunk_format)
+    chunk_format: str | None = None
 
 
 def cache_namespace(identity: KVIdentity, tenant_salt: str = "") -> str:
