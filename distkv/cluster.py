@@ -110,7 +110,9 @@ class ClusterOffloadingManager(OffloadingManager):
         promoter: Promoter,
         store_policy: str = "always",
         promotion_timeout_s: float = 5.0,
+        mode: str = "spec",
     ):
+        """`mode`: how the engine uses this replica (ReplicaStats.mode), shown by `distkv status`."""
         if store_policy not in STORE_POLICIES:
             raise ValueError(f"store_policy={store_policy!r} must be one of {list(STORE_POLICIES)}")
         if promotion_timeout_s <= 0:
@@ -126,6 +128,7 @@ class ClusterOffloadingManager(OffloadingManager):
         self.promoter = promoter
         self.dedupe = store_policy == "dedupe"
         self.promotion_timeout_s = promotion_timeout_s
+        self.mode = mode
         self._events: list[OffloadingEvent] = []
         # keys whose promotion failed, and until when lookups answer False for them
         self._failed: dict[OffloadKey, float] = {}
@@ -226,6 +229,48 @@ class ClusterOffloadingManager(OffloadingManager):
             return RETRY if key in self._promoting else HIT_PENDING
         self.lookups_miss += 1.0  # its promotion just failed
         return MISS
+
+    def provides(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
+        """lookup_result for an owner that promotes on load (vLLM's tiers, distkv.tier): the
+        same answers, except that a block a replica of this cache epoch holds is a HIT and
+        nothing starts; `promote` starts it once a load asks for it. A key whose promotion
+        failed within promotion_timeout_s is a MISS: its holder is not tried again so soon.
+        Counted as lookup_result counts: a HIT from another replica when its promotion ends.
+        """
+        try:
+            block = self._blocks.get(key)
+        except TypeError:  # unhashable, so not bytes
+            raise ValueError(key_problem(key)) from None
+        if block is not None:
+            block.seen = self._round
+            if block.refs >= 0:
+                self.lookups_local_hit += 1.0
+                return HIT
+            return self._lookup_in_flight(key, req_context)
+        if key not in self._view:
+            if type(key) is not bytes or not MIN_KEY_BYTES <= len(key) <= MAX_KEY_BYTES:
+                raise ValueError(key_problem(key))
+            link = self.link
+            if link.queried and link.ask(key, self.block_shard(key, req_context) if self._num_shards > 1 else 0):
+                self.lookups_retry += 1.0
+                self._defer(req_context)
+                return RETRY
+        elif self._held_in_epoch(key) and self._failed.get(key, 0.0) <= time.monotonic():
+            return HIT
+        self.lookups_miss += 1.0
+        return MISS
+
+    def promote(self, key: OffloadKey, req_context: ReqContext) -> bool:
+        """Start promoting `key`, absent here, from the replicas the view says hold it, for
+        the request of `req_context`: whether it started. Its block is then in flight (a
+        lookup answers RETRY) until the promotion ends: ready, or gone if it failed. One
+        that cannot start (no holder in the view, a recent failure, no free row) counts as
+        a miss."""
+        holders = self._view.get(key)
+        if holders and key not in self._blocks and self._promote(key, holders, req_context) is RETRY:
+            return True
+        self.lookups_miss += 1.0
+        return False
 
     def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> LoadStoreSpec:
         spec = self.local.prepare_load(keys, req_context)
@@ -363,6 +408,7 @@ class ClusterOffloadingManager(OffloadingManager):
             ),
             errors=errors,
             recent_errors=tuple(recent),
+            mode=self.mode,
         )
 
     def drain_observations(self) -> Observations:
