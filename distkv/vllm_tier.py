@@ -172,6 +172,11 @@ class DistkvTier(SecondaryTierManager):
         """The replica's ClusterOffloadingManager (its pool, the Directory, promotion)."""
         return self._tier.cluster
 
+    @property
+    def keys_failed(self) -> int:
+        """Keys of load jobs reported failed so far (vLLM recomputed them)."""
+        return self._tier.keys_failed
+
     # ---- vLLM's calls ------------------------------------------------------------------
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
