@@ -44,6 +44,8 @@ MISS, HIT, HIT_PENDING, RETRY = LookupResult.MISS, LookupResult.HIT, LookupResul
 
 # Failed promotions remembered (so that lookups answer a miss, not a new try) at most.
 MAX_FAILED_KEYS = 1 << 16
+# Replica ids whose cache epoch is remembered (`_in_epoch`) at most.
+MAX_REPLICA_EPOCHS = 1 << 16
 # The Promoter fails a promotion at its deadline itself; the manager fails one the
 # Promoter has not reported this long after (its thread is stuck or gone).
 OVERDUE_GRACE_S = 1.0
@@ -148,6 +150,8 @@ class ClusterOffloadingManager(OffloadingManager):
         # promotions spare the blocks stamped with a round at least this
         self._protect_from = 0
         self.cache_epoch = link.info.cache_epoch
+        # replica id -> whether it is of this cache epoch (`_in_epoch`)
+        self._same_epoch: dict[str, bool] = {}
         # promoted blocks no load has used yet, and whether each came from this node
         self._promoted: dict[OffloadKey, bool] = {}
         # blocks handed to loads so far, by where they came from
@@ -255,7 +259,9 @@ class ClusterOffloadingManager(OffloadingManager):
                 self.lookups_retry += 1.0
                 self._defer(req_context)
                 return RETRY
-        elif self._held_in_epoch(key) and self._failed.get(key, 0.0) <= time.monotonic():
+        elif self._in_epoch(self._view.get(key, ())) and not (
+            self._failed and self._failed.get(key, 0.0) > time.monotonic()
+        ):
             return HIT
         self.lookups_miss += 1.0
         return MISS
@@ -329,6 +335,7 @@ class ClusterOffloadingManager(OffloadingManager):
         self._promoted.clear()
         self._forward_events()  # the removals go out under the old epoch's id
         self.cache_epoch += 1
+        self._same_epoch.clear()
         self.link.set_info(
             dataclasses.replace(
                 self.link.info, replica_id=epoch_replica_id(self._replica_name, self.cache_epoch), cache_epoch=self.cache_epoch
@@ -465,10 +472,23 @@ class ClusterOffloadingManager(OffloadingManager):
 
     def _held_in_epoch(self, key: OffloadKey) -> bool:
         """Whether another replica of this cache epoch holds `key`: one this replica can promote."""
-        replica = self.link.replica
-        for holder in self.link.holders(key):
-            info = replica(holder.replica_id)
-            if info is not None and info.cache_epoch == self.cache_epoch:
+        return self._in_epoch(self.link.holders(key))
+
+    def _in_epoch(self, holders: Iterable) -> bool:
+        """Whether a replica of this cache epoch is among `holders`. A replica id names one
+        epoch for good (`epoch_replica_id`), so each id's answer is kept until this
+        replica's own epoch changes: a lookup reads no ReplicaInfo once it saw the id."""
+        known = self._same_epoch
+        for holder in holders:
+            same = known.get(holder.replica_id)
+            if same is None:
+                info = self.link.replica(holder.replica_id)
+                if info is None:
+                    continue
+                if len(known) >= MAX_REPLICA_EPOCHS:
+                    known.clear()
+                same = known[holder.replica_id] = info.cache_epoch == self.cache_epoch
+            if same:
                 return True
         return False
 
