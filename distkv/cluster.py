@@ -235,43 +235,24 @@ class ClusterOffloadingManager(OffloadingManager):
         return MISS
 
     def provides(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
-        """lookup_result for an owner that promotes on load (vLLM's tiers, distkv.tier): the
-        same answers, except that a block a replica of this cache epoch holds is a HIT and
-        nothing starts; `promote` starts it once a load asks for it. A key whose promotion
-        failed within promotion_timeout_s is a MISS: its holder is not tried again so soon.
-        Counted as lookup_result counts: a HIT from another replica when its promotion ends.
-        """
+        """lookup_result for an owner that promotes on load (distkv.tier): a block only
+        replicas of this cache epoch hold is a HIT and nothing starts (`promote` starts it
+        when a load asks), a MISS if its promotion failed within promotion_timeout_s."""
         try:
-            block = self._blocks.get(key)
-        except TypeError:  # unhashable, so not bytes
-            raise ValueError(key_problem(key)) from None
-        if block is not None:
-            block.seen = self._round
-            if block.refs >= 0:
-                self.lookups_local_hit += 1.0
-                return HIT
-            return self._lookup_in_flight(key, req_context)
-        if key not in self._view:
-            if type(key) is not bytes or not MIN_KEY_BYTES <= len(key) <= MAX_KEY_BYTES:
-                raise ValueError(key_problem(key))
-            link = self.link
-            if link.queried and link.ask(key, self.block_shard(key, req_context) if self._num_shards > 1 else 0):
-                self.lookups_retry += 1.0
-                self._defer(req_context)
-                return RETRY
-        elif self._in_epoch(self._view.get(key, ())) and not (
-            self._failed and self._failed.get(key, 0.0) > time.monotonic()
-        ):
-            return HIT
+            elsewhere = key in self._view and key not in self._blocks
+        except TypeError:  # unhashable: lookup_result names the bad key
+            elsewhere = False
+        if not elsewhere:
+            return self.lookup_result(key, req_context)
+        if self._in_epoch(self._view.get(key, ())) and not (self._failed and self._failed.get(key, 0.0) > time.monotonic()):
+            return HIT  # counted when its promotion ends, as lookup_result counts it
         self.lookups_miss += 1.0
         return MISS
 
     def promote(self, key: OffloadKey, req_context: ReqContext) -> bool:
-        """Start promoting `key`, absent here, from the replicas the view says hold it, for
-        the request of `req_context`: whether it started. Its block is then in flight (a
-        lookup answers RETRY) until the promotion ends: ready, or gone if it failed. One
-        that cannot start (no holder in the view, a recent failure, no free row) counts as
-        a miss."""
+        """Start promoting `key`, absent here, for the request of `req_context`: whether it
+        started. Its block is then in flight until the promotion ends: ready, or gone if it
+        failed. One that cannot start (no holder, a recent failure, no row) is a miss."""
         holders = self._view.get(key)
         if holders and key not in self._blocks and self._promote(key, holders, req_context) is RETRY:
             return True
@@ -475,9 +456,8 @@ class ClusterOffloadingManager(OffloadingManager):
         return self._in_epoch(self.link.holders(key))
 
     def _in_epoch(self, holders: Iterable) -> bool:
-        """Whether a replica of this cache epoch is among `holders`. A replica id names one
-        epoch for good (`epoch_replica_id`), so each id's answer is kept until this
-        replica's own epoch changes: a lookup reads no ReplicaInfo once it saw the id."""
+        """Whether a replica of this cache epoch is among `holders`. An id names one epoch for
+        good (`epoch_replica_id`): its answer is kept until this replica's epoch changes."""
         known = self._same_epoch
         for holder in holders:
             same = known.get(holder.replica_id)
