@@ -96,16 +96,14 @@ class ClusterTier:
         self._pool = pool
         self._blocks = cluster.local.blocks
         self._copies = ChunkCopier(pool, primary)
-        self._chunk_bytes = primary.shape[1]
         self._jobs: dict[int, _Job] = {}
         # keys whose blocks are in flight here (a store, a promotion) -> the loads waiting
         # for them: (job, index of the key in the job)
         self._waiting: dict[OffloadKey, list[tuple[_Job, int]]] = {}
         self._results: list[TierResult] = []
         self._events: list[OffloadingEvent] = []
-        # loads' keys that failed, and stores that failed, so far
+        # keys of loads that failed so far (vLLM counts failed jobs, and the manager stores it rejected)
         self.keys_failed = 0
-        self.stores_failed = 0
         self.closed = False
 
     # ---- the scheduler's calls ---------------------------------------------------------
@@ -118,8 +116,6 @@ class ClusterTier:
         self._check_new(job_id, keys, chunks)
         out = self.cluster.prepare_store(list(keys), req_context)
         if out is None or not out.keys_to_store:  # no row free or evictable, or nothing new
-            if out is None:
-                self.stores_failed += 1
             self._results.append(_Job(job_id, [], (), req_context).result(success=out is not None))
             return
         chunk_of = dict(zip(keys, chunks))
@@ -250,7 +246,6 @@ class ClusterTier:
                 job = self._jobs.pop(tag)
                 self.cluster.complete_store(job.keys, job.req_context, success=ok)
                 if not ok:
-                    self.stores_failed += 1
                     logger.warning("distkv tier: a store of %d chunk(s) failed its copy", len(job.keys))
                 job.nbytes = nbytes
                 self._results.append(job.result(success=ok))
