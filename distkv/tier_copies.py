@@ -7,17 +7,19 @@ chunk goes through the slot protocol (`load_row`): only a copy of the block seal
 key@generation, whole and matching its checksum, counts, else the chunk's key fails and
 its bytes are never used.
 
-`ChunkCopier` runs the copies on two threads, one for stores and one for loads, so that a
-load a request waits for never queues behind a burst of stores.
+`ChunkCopier` runs the copies on threads of its own, a few for stores and a few for loads, so
+that a load a request waits for never queues behind a burst of stores, and a job's chunks
+are copied (and hashed) on several cores at once.
 """
 
 from __future__ import annotations
 
 import collections
-import queue
+import os
 import threading
 import time
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Hashable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
@@ -67,45 +69,27 @@ def load_row(pool: HostPool, primary: np.ndarray, row: int, key: OffloadKey, gen
 # (tag, ok, seconds, bytes) of a copy that ended
 Copied = tuple[Hashable, bool, float, int]
 
+# Threads copying each way: a chunk's copy and hash run on one core, and memory bandwidth
+# is spent by about four (as distkv.handlers.cpu's segment threads).
+COPY_THREADS = min(os.cpu_count() or 1, 4)
 
-class _Lane:
-    """One thread running copies in submission order."""
 
-    def __init__(self, name: str, done: collections.deque[Copied], idle: threading.Condition) -> None:
-        self._tasks: queue.SimpleQueue[tuple[Hashable, Callable[[], int | None]] | None] = queue.SimpleQueue()
-        self._done = done
-        self._idle = idle
-        self.queued = 0  # submitted and not yet in `done`, under `idle`
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self._thread.start()
+class _Store:
+    """A store job's rows, copied and sealed one by one on the store threads; it ends with
+    its last row (ok if every row was)."""
 
-    def submit(self, tag: Hashable, copy: Callable[[], int | None]) -> None:
-        with self._idle:
-            self.queued += 1
-        self._tasks.put((tag, copy))
-
-    def stop(self) -> None:
-        self._tasks.put(None)
-        self._thread.join()
-
-    def _run(self) -> None:
-        while (task := self._tasks.get()) is not None:
-            tag, copy = task
-            start = time.perf_counter()
-            try:
-                nbytes = copy()
-            except Exception:  # a copy that raised moved nothing usable
-                nbytes = None
-            seconds = time.perf_counter() - start
-            self._done.append((tag, nbytes is not None, seconds, nbytes or 0))
-            with self._idle:
-                self.queued -= 1
-                self._idle.notify_all()
+    def __init__(self, tag: Hashable, rows: int) -> None:
+        self.tag = tag
+        self.left = rows
+        self.ok = True
+        self.nbytes = 0
+        self.started = time.perf_counter()
 
 
 class ChunkCopier:
-    """Stores (chunks -> rows) and loads (a row -> a chunk) on a thread each; `finished`
-    gives what ended since its last call, `wait_idle` blocks until nothing is queued.
+    """Stores (chunks -> rows) and loads (a row -> a chunk) on threads of their own, so that
+    a load a request waits for never queues behind a burst of stores; `finished` gives what
+    ended since its last call, `wait_idle` blocks until nothing is left.
 
     Only the pool rows and primary chunks a copy names are touched, by its thread; the
     caller keeps both reserved (a row's store in flight or a load's pin, a chunk its owner
@@ -117,26 +101,27 @@ class ChunkCopier:
         self._pool = pool
         self._primary = primary
         self._done: collections.deque[Copied] = collections.deque()
-        self._idle = threading.Condition()
-        self._stores = _Lane("distkv-tier-stores", self._done, self._idle)
-        self._loads = _Lane("distkv-tier-loads", self._done, self._idle)
+        self._lock = threading.Condition()
+        self._running = 0  # copies submitted and not yet in `done`, under `_lock`
+        self._stores = ThreadPoolExecutor(COPY_THREADS, thread_name_prefix="distkv-tier-store")
+        self._loads = ThreadPoolExecutor(COPY_THREADS, thread_name_prefix="distkv-tier-load")
         self.closed = False
-
-    @property
-    def chunk_bytes(self) -> int:
-        return self._primary.shape[1]
 
     def store(
         self, tag: Hashable, chunks: Sequence[int], rows: np.ndarray, keys: Sequence[OffloadKey], generations: np.ndarray
     ) -> None:
-        pool, primary = self._pool, self._primary
-        self._stores.submit(tag, lambda: store_rows(pool, primary, chunks, rows, keys, generations))
+        """Copy chunk chunks[i] into row rows[i], sealed as keys[i]@generations[i]: one job, `tag`."""
+        job = _Store(tag, len(chunks))
+        self._started()
+        if not job.left:
+            self._ended((tag, True, 0.0, 0))
+        for chunk, row, key, generation in zip(chunks, rows.tolist(), keys, generations.tolist()):
+            self._stores.submit(self._store_row, job, chunk, row, key, generation)
 
     def load(self, tag: Hashable, row: int, key: OffloadKey, generation: int, chunk: int) -> None:
-        pool, primary = self._pool, self._primary
-        self._loads.submit(
-            tag, lambda: primary.shape[1] if load_row(pool, primary, row, key, generation, chunk) else None
-        )
+        """Copy row `row`, if it holds key@generation, into chunk `chunk`: one copy, `tag`."""
+        self._started()
+        self._loads.submit(self._load_row, tag, row, key, generation, chunk)
 
     def finished(self) -> list[Copied]:
         done = []
@@ -149,15 +134,46 @@ class ChunkCopier:
 
     def wait_idle(self) -> None:
         """Block until every copy submitted so far has ended (and is in `finished`)."""
-        with self._idle:
-            self._idle.wait_for(lambda: not self._stores.queued and not self._loads.queued)
+        with self._lock:
+            self._lock.wait_for(lambda: not self._running)
 
     def close(self) -> None:
-        """Finish the copies queued, stop the threads and let go of the primary's chunks."""
+        """Finish the copies submitted, stop the threads and let go of the primary's chunks."""
         if self.closed:
             return
         self.closed = True
-        self._stores.stop()
-        self._loads.stop()
+        self._stores.shutdown(wait=True)
+        self._loads.shutdown(wait=True)
         self._done.clear()
         del self._primary
+
+    def _started(self) -> None:
+        with self._lock:
+            self._running += 1
+
+    def _ended(self, copied: Copied) -> None:
+        self._done.append(copied)
+        with self._lock:
+            self._running -= 1
+            self._lock.notify_all()
+
+    def _store_row(self, job: _Store, chunk: int, row: int, key: OffloadKey, generation: int) -> None:
+        try:
+            nbytes = store_rows(self._pool, self._primary, [chunk], np.array([row]), [key], np.array([generation], dtype=np.uint64))
+        except Exception:  # a copy that raised stored nothing usable: the job fails
+            nbytes = None
+        with self._lock:
+            job.ok = job.ok and nbytes is not None
+            job.nbytes += nbytes or 0
+            job.left -= 1
+            last = not job.left
+        if last:
+            self._ended((job.tag, job.ok, time.perf_counter() - job.started, job.nbytes))
+
+    def _load_row(self, tag: Hashable, row: int, key: OffloadKey, generation: int, chunk: int) -> None:
+        start = time.perf_counter()
+        try:
+            ok = load_row(self._pool, self._primary, row, key, generation, chunk)
+        except Exception:  # a copy that raised delivered nothing usable
+            ok = False
+        self._ended((tag, ok, time.perf_counter() - start, self._primary.shape[1] if ok else 0))
