@@ -218,7 +218,7 @@ def lookup(runs: int) -> dict:
 
     ray.init(address="local", num_cpus=2, object_store_memory=100 * MiB, include_dashboard=False, namespace=RAY_NAMESPACE)
     salt = uuid.uuid4().hex
-    tiers = [{**DISTKV_TIER, "cpu_bytes_to_use": LOOKUP_KEYS * 4096, "tenant_salt": salt}]
+    tiers = [{**DISTKV_TIER, "cpu_bytes_to_use": LOOKUP_KEYS * 4096, "tenant_salt": salt, "directory_view": "push"}]
     managers = [tiering_manager(f"bench-{name}-{salt[:6]}", 4096, LOOKUP_KEYS, tiers) for name in ("other", "this")]
     other, this = managers
     tier = this.secondary_tiers[0]
@@ -290,7 +290,7 @@ class TierBenchReplica:
 
     def __init__(self, name: str, salt: str, transport: str, chunks: int) -> None:
         tiers = [{**DISTKV_TIER, "cpu_bytes_to_use": chunks * CHUNK_BYTES, "tenant_salt": salt,
-                  "transport": transport, "promotion_timeout_s": 30.0}]
+                  "transport": transport, "promotion_timeout_s": 30.0, "directory_view": "push"}]
         self.manager = tiering_manager(name, CHUNK_BYTES, chunks, tiers)
         self.tier = self.manager.secondary_tiers[0]
         self._fillers = 0

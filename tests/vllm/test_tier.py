@@ -35,7 +35,8 @@ def tier_config(salt: str, fs_dir: str | None = None, **distkv) -> dict:
     """kv_connector_extra_config: vLLM's tiering with an 8 MiB primary tier, then vLLM's fs
     tier over `fs_dir` if given, then distkv's tier (8 MiB pool) in namespace `salt`."""
     tiers = [{"type": "fs", "root_dir": fs_dir, "n_read_threads": 2, "n_write_threads": 2}] if fs_dir else []
-    tiers.append({**DISTKV_TIER, "cpu_bytes_to_use": 8 << 20, "tenant_salt": salt, **distkv})
+    # push: the view these tests wait on ("auto" queries instead when the Directory is slow to say)
+    tiers.append({**DISTKV_TIER, "cpu_bytes_to_use": 8 << 20, "tenant_salt": salt, "directory_view": "push", **distkv})
     return {**TIERING_EXTRA, "block_size": CHUNK_TOKENS, "cpu_bytes_to_use": 8 << 20, "secondary_tiers": tiers}
 
 

@@ -118,7 +118,7 @@ def test_tp1_and_tp2_replicas_share_canonical_chunks(ray_session):
     """Replica A at TP=1 stores chunks; replica B at TP=2 finds them in distkv's tier and
     promotes them into its primary tier, byte for byte."""
     salt = uuid.uuid4().hex
-    tiers = [{**DISTKV_TIER, "cpu_bytes_to_use": 1 << 20, "tenant_salt": salt}]
+    tiers = [{**DISTKV_TIER, "cpu_bytes_to_use": 1 << 20, "tenant_salt": salt, "directory_view": "push"}]
     specs = [TieringOffloadingSpec(offloading_config(tp, canonical=True, tiers=tiers)) for tp in (1, 2)]
     a, b = (spec.get_manager() for spec in specs)
     tier_a, tier_b = a.secondary_tiers[0], b.secondary_tiers[0]

@@ -53,6 +53,7 @@ def engines(request, nodes):
                 # loaded machine is not under test
                 "promotion_timeout_s": 20.0,
                 "transport": transport,
+                "directory_view": "push",  # the view the test waits on
             }
         ],
     }
