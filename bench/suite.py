@@ -20,6 +20,11 @@ docs/scale.md builds the scale model from the scale rows.
             on the same blocks.
   promote   python bench/promote.py: promotion beside a raw ray.get between two nodes.
             Goal: ratio >= 0.7.
+  tier      python bench/tier.py: distkv as a tier of vLLM's tiered offloading: the
+            cascade store beside a plain copy of the chunks (goal >= 0.8), the tier's lookup
+            beside vLLM's fs tier's (goal ns ratio <= 1.5), and promotion into vLLM's CPU
+            tier from another node beside the spec's promotion, by each transport (goal
+            >= 0.85).
   demo      python -m distkv demo --json: time to first token with and without distkv.
   scale     python bench/scale.py: one Directory shard at 1M and 10M keys (1M with
             --quick), replicas following pushed views 2 -> 8 (2 -> 4) on simulated nodes,
@@ -107,18 +112,20 @@ class Sizes:
     lookup_batches: int
     transfer_args: list[str]
     promote_args: list[str]
+    tier_args: list[str]
     demo_args: list[str]
     scale_args: list[str]
 
 
 FULL = Sizes(
     trace_requests=5000, trace_rows=8192, trace_runs=5, view_keys=65536, lookup_batches=201,
-    transfer_args=[], promote_args=[], demo_args=["--requests", "120"],
+    transfer_args=[], promote_args=[], tier_args=[], demo_args=["--requests", "120"],
     scale_args=["--keys", "1000000,10000000", "--view-replicas", "2,4,8", "--view-seconds", "5", "--replicas", "64", "--shards", "1,4", "--seconds", "10"],
 )
 QUICK = Sizes(
     trace_requests=1000, trace_rows=2048, trace_runs=3, view_keys=8192, lookup_batches=51,
     transfer_args=["--gib", "0.25", "--reps", "3"], promote_args=["--runs", "3", "--warmup", "1"],
+    tier_args=["--runs", "5", "--warmup", "1"],
     demo_args=["--requests", "40", "--replicas", "2"],
     scale_args=["--keys", "1000000", "--view-replicas", "2,4", "--view-seconds", "2", "--replicas", "16", "--shards", "1", "--seconds", "5"],
 )
@@ -292,6 +299,26 @@ def promote_part(sizes: Sizes, figures: dict[str, Any]) -> list[Row]:
             "object store p50, same run", store["latency_p50_ms"], ("<=", 0.3),
             note=f"p99 {nixl['latency_p99_ms']:.2f} vs {store['latency_p99_ms']:.2f} ms"),
     ]
+
+
+def tier_part(sizes: Sizes, figures: dict[str, Any]) -> list[Row]:
+    result = run_script(["bench/tier.py", *sizes.tier_args], timeout_s=1500)
+    figures["tier"] = result
+    cascade, lookups = result["cascade"], result["lookup"]
+    rows = [
+        Row("tier", "cascade store 128 x 2 MiB, vLLM's CPU tier -> pool, hashed", "GB/s", cascade["cascade_gbps"],
+            "plain copy of the chunks, one thread", cascade["memcpy_gbps"], (">=", 0.8),
+            note=f"one memcpy of all {cascade['whole_memcpy_gbps']:.2f} GB/s"),
+    ]
+    for kind in ("hit, own pool", "hit, another replica", "miss"):
+        ns = lookups[kind]
+        rows.append(Row("tier", f"tier lookup, {kind}", "ns", ns["tier"], "vLLM fs tier lookup, answered", ns["fs"],
+                        ("<=", 1.5), note=f"fs first lookup {lookups['fs first lookup']['fs']:.0f} ns"))
+    for transport, label in (("object_store", "object-store"), ("nixl", "NIXL")):
+        g = result["promote"][transport]
+        rows.append(Row("tier", f"{label} promotion through the tier into vLLM's CPU tier, 64 x 2 MiB", "GB/s", g["tier"],
+                        f"spec's {label} promotion, same nodes", g["spec"], (">=", 0.85)))
+    return rows
 
 
 def demo_part(sizes: Sizes, figures: dict[str, Any]) -> list[Row]:
@@ -475,7 +502,10 @@ def main() -> int:
         run("lookup", lookup_part)
     finally:
         ray.shutdown()
-    for name, part in (("transfer", transfer_part), ("gpu", gpu_part), ("promote", promote_part), ("demo", demo_part), ("scale", scale_part)):
+    for name, part in (
+        ("transfer", transfer_part), ("gpu", gpu_part), ("promote", promote_part), ("tier", tier_part),
+        ("demo", demo_part), ("scale", scale_part),
+    ):
         run(name, part)
 
     report["seconds"]["total"] = round(time.time() - started, 1)

@@ -44,6 +44,8 @@ MISS, HIT, HIT_PENDING, RETRY = LookupResult.MISS, LookupResult.HIT, LookupResul
 
 # Failed promotions remembered (so that lookups answer a miss, not a new try) at most.
 MAX_FAILED_KEYS = 1 << 16
+# Replica ids whose cache epoch is remembered (`_in_epoch`) at most.
+MAX_REPLICA_EPOCHS = 1 << 16
 # The Promoter fails a promotion at its deadline itself; the manager fails one the
 # Promoter has not reported this long after (its thread is stuck or gone).
 OVERDUE_GRACE_S = 1.0
@@ -110,7 +112,9 @@ class ClusterOffloadingManager(OffloadingManager):
         promoter: Promoter,
         store_policy: str = "always",
         promotion_timeout_s: float = 5.0,
+        mode: str = "spec",
     ):
+        """`mode`: how the engine uses this replica (ReplicaStats.mode), shown by `distkv status`."""
         if store_policy not in STORE_POLICIES:
             raise ValueError(f"store_policy={store_policy!r} must be one of {list(STORE_POLICIES)}")
         if promotion_timeout_s <= 0:
@@ -126,6 +130,7 @@ class ClusterOffloadingManager(OffloadingManager):
         self.promoter = promoter
         self.dedupe = store_policy == "dedupe"
         self.promotion_timeout_s = promotion_timeout_s
+        self.mode = mode
         self._events: list[OffloadingEvent] = []
         # keys whose promotion failed, and until when lookups answer False for them
         self._failed: dict[OffloadKey, float] = {}
@@ -145,6 +150,8 @@ class ClusterOffloadingManager(OffloadingManager):
         # promotions spare the blocks stamped with a round at least this
         self._protect_from = 0
         self.cache_epoch = link.info.cache_epoch
+        # replica id -> whether it is of this cache epoch (`_in_epoch`)
+        self._same_epoch: dict[str, bool] = {}
         # promoted blocks no load has used yet, and whether each came from this node
         self._promoted: dict[OffloadKey, bool] = {}
         # blocks handed to loads so far, by where they came from
@@ -227,6 +234,31 @@ class ClusterOffloadingManager(OffloadingManager):
         self.lookups_miss += 1.0  # its promotion just failed
         return MISS
 
+    def provides(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
+        """lookup_result for an owner that promotes on load (distkv.tier): a block only
+        replicas of this cache epoch hold is a HIT and nothing starts (`promote` starts it
+        when a load asks), a MISS if its promotion failed within promotion_timeout_s."""
+        try:
+            elsewhere = key in self._view and key not in self._blocks
+        except TypeError:  # unhashable: lookup_result names the bad key
+            elsewhere = False
+        if not elsewhere:
+            return self.lookup_result(key, req_context)
+        if self._in_epoch(self._view.get(key, ())) and not (self._failed and self._failed.get(key, 0.0) > time.monotonic()):
+            return HIT  # counted when its promotion ends, as lookup_result counts it
+        self.lookups_miss += 1.0
+        return MISS
+
+    def promote(self, key: OffloadKey, req_context: ReqContext) -> bool:
+        """Start promoting `key`, absent here, for the request of `req_context`: whether it
+        started. Its block is then in flight until the promotion ends: ready, or gone if it
+        failed. One that cannot start (no holder, a recent failure, no row) is a miss."""
+        holders = self._view.get(key)
+        if holders and key not in self._blocks and self._promote(key, holders, req_context) is RETRY:
+            return True
+        self.lookups_miss += 1.0
+        return False
+
     def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> LoadStoreSpec:
         spec = self.local.prepare_load(keys, req_context)
         if self._waiting:
@@ -284,6 +316,7 @@ class ClusterOffloadingManager(OffloadingManager):
         self._promoted.clear()
         self._forward_events()  # the removals go out under the old epoch's id
         self.cache_epoch += 1
+        self._same_epoch.clear()
         self.link.set_info(
             dataclasses.replace(
                 self.link.info, replica_id=epoch_replica_id(self._replica_name, self.cache_epoch), cache_epoch=self.cache_epoch
@@ -363,6 +396,7 @@ class ClusterOffloadingManager(OffloadingManager):
             ),
             errors=errors,
             recent_errors=tuple(recent),
+            mode=self.mode,
         )
 
     def drain_observations(self) -> Observations:
@@ -419,10 +453,22 @@ class ClusterOffloadingManager(OffloadingManager):
 
     def _held_in_epoch(self, key: OffloadKey) -> bool:
         """Whether another replica of this cache epoch holds `key`: one this replica can promote."""
-        replica = self.link.replica
-        for holder in self.link.holders(key):
-            info = replica(holder.replica_id)
-            if info is not None and info.cache_epoch == self.cache_epoch:
+        return self._in_epoch(self.link.holders(key))
+
+    def _in_epoch(self, holders: Iterable) -> bool:
+        """Whether a replica of this cache epoch is among `holders`. An id names one epoch for
+        good (`epoch_replica_id`): its answer is kept until this replica's epoch changes."""
+        known = self._same_epoch
+        for holder in holders:
+            same = known.get(holder.replica_id)
+            if same is None:
+                info = self.link.replica(holder.replica_id)
+                if info is None:
+                    continue
+                if len(known) >= MAX_REPLICA_EPOCHS:
+                    known.clear()
+                same = known[holder.replica_id] = info.cache_epoch == self.cache_epoch
+            if same:
                 return True
         return False
 

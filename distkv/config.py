@@ -20,7 +20,7 @@ TRANSPORTS = ("auto", "nixl", "object_store")
 DIRECTORY_VIEWS = ("auto", "push", "query")
 
 # Keys that vLLM's OffloadingConnector itself reads from the same dict.
-_CONNECTOR_KEYS = frozenset({"spec_name", "spec_module_path", "block_size"})
+CONNECTOR_KEYS = frozenset({"spec_name", "spec_module_path", "block_size"})
 
 
 @dataclass(frozen=True)
@@ -51,7 +51,7 @@ class DistkvConfig:
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any]) -> "DistkvConfig":
         known = {f.name for f in fields(cls)}
-        unknown = sorted(set(extra) - known - _CONNECTOR_KEYS, key=repr)
+        unknown = sorted(set(extra) - known - CONNECTOR_KEYS, key=repr)
         if unknown:
             raise ValueError(
                 f"unknown kv_connector_extra_config key(s) {unknown}; distkv reads {sorted(known)}"
@@ -181,6 +181,10 @@ class KVIdentity:
     # (revision and resolved snapshot, dtype, quantization), its configuration after
     # overrides, ... as `model_settings` gives them
     model_settings: tuple[tuple[str, str], ...] = ()
+    # How a pool row holds a block: None in distkv's spec (a slot per worker rank, in its
+    # handlers' page order); in its vLLM tier, the bytes of vLLM's primary-tier chunk, named
+    # by their layout (distkv.vllm_tier.primary_chunk_format)
+    chunk_format: str | None = None
 
 
 # a setting's value longer than this is logged as its digest (a model's whole configuration)

@@ -135,7 +135,9 @@ def joining_view(view: str, shard: Any) -> str:
     return "query" if registered >= AUTO_PUSH_MAX_REPLICAS else "auto"
 
 
-def join_cluster(plan: ReplicaPlan, pool: HostPool, local: LocalOffloadingManager) -> "ClusterOffloadingManager":
+def join_cluster(
+    plan: ReplicaPlan, pool: HostPool, local: LocalOffloadingManager, mode: str = "spec"
+) -> "ClusterOffloadingManager":
     """The replica's manager in its Ray cluster.
 
     Joins the cluster (`ray_address`; none starts an embedded local Ray), makes sure this
@@ -144,6 +146,8 @@ def join_cluster(plan: ReplicaPlan, pool: HostPool, local: LocalOffloadingManage
     the replica's first lookups already find what other replicas hold, and wraps `local`.
     `pool` is the scheduler's mapping of the replica's pool: it claims the replica's name
     until it closes, and a ValueError says so if a live replica on this node has it.
+    `mode`: how the engine uses the replica ("spec", or "tier": distkv.vllm_tier), as
+    `distkv status` shows it.
 
     This is where the library meets Ray's actors (`ray_actors`): it creates them and
     hands their handles to the plain classes, which never import them.
@@ -230,6 +234,7 @@ def _join(
         promoter,
         store_policy=config.store_policy,
         promotion_timeout_s=config.promotion_timeout_s,
+        mode=mode,
     )
     # goes to the Directory with the link's heartbeats, for `distkv status`: plain dicts, as the shards keep reports
     link.report = lambda: manager.stats().to_dict()

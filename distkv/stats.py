@@ -83,7 +83,9 @@ class PoolUsage:
 @dataclass(frozen=True)
 class ReplicaStats:
     """One replica's counts at `time` (wall clock). `errors`: counts by kind;
-    `recent_errors`: (time, kind, message) of the last few, oldest first."""
+    `recent_errors`: (time, kind, message) of the last few, oldest first. `mode`: how its
+    engine uses distkv: "spec" (distkv's offloading spec) or "tier" (a secondary tier of
+    vLLM's tiered offloading); a report without it is of a spec replica."""
 
     namespace: str
     replica: str
@@ -95,6 +97,7 @@ class ReplicaStats:
     pool: PoolUsage
     errors: Mapping[str, int]
     recent_errors: tuple[tuple[float, str, str], ...]
+    mode: str = "spec"
     version: int = STATS_VERSION
 
     def to_dict(self) -> dict[str, Any]:
@@ -120,6 +123,7 @@ class ReplicaStats:
             pool=PoolUsage(**d["pool"]),
             errors=dict(d["errors"]),
             recent_errors=tuple(tuple(e) for e in d["recent_errors"]),
+            mode=d.get("mode", "spec"),
         )
 
 

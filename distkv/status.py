@@ -28,7 +28,7 @@ logger = logging.getLogger(__name__)
 
 CALL_TIMEOUT_S = 10.0
 # what a replica entry takes from the replica's latest report (None before one came)
-REPORTED = ("lookups", "promotions", "blocks", "pool", "errors", "recent_errors")
+REPORTED = ("mode", "lookups", "promotions", "blocks", "pool", "errors", "recent_errors")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -224,7 +224,7 @@ def format_status(status: dict[str, Any]) -> str:
     rows = []
     for r in replicas:
         if r["lookups"] is None:
-            rows.append((r["namespace"], r["replica"], _short(r["node_id"]), *["-"] * 8, f"{r['seen_s_ago']:.1f}s"))
+            rows.append((r["namespace"], r["replica"], _short(r["node_id"]), *["-"] * 9, f"{r['seen_s_ago']:.1f}s"))
             continue
         lookups, promotions, blocks, pool = r["lookups"], r["promotions"], r["blocks"], r["pool"]
         used, capacity = pool["used_bytes"], pool["capacity_bytes"]
@@ -232,6 +232,7 @@ def format_status(status: dict[str, Any]) -> str:
             r["namespace"],
             r["replica"],
             _short(r["node_id"]),
+            r["mode"],
             f"{_bytes(used)} / {_bytes(capacity)} ({used / capacity:.0%})" if capacity else "-",
             "-" if r["hit_rate"] is None else f"{r['hit_rate']:.1%}",
             "/".join(str(lookups[k]) for k in ("local_hit", "remote_hit", "miss", "retry")),
@@ -243,7 +244,7 @@ def format_status(status: dict[str, Any]) -> str:
             f"{r['seen_s_ago']:.1f}s",
         ))
     lines += _table(
-        ("namespace", "replica", "node", "pool used", "hit rate", "lookups local/remote/miss/retry",
+        ("namespace", "replica", "node", "mode", "pool used", "hit rate", "lookups local/remote/miss/retry",
          "promoted same/cross", "failed", "stored", "evicted", "errors", "seen"),
         rows,
     )

@@ -165,25 +165,31 @@ def replica_plan(config: OffloadingConfig, settings: tuple[tuple[str, str], ...]
             f"vLLM reports {config.worker_kv_bytes_per_block} KV bytes per block: distkv needs "
             "the KV cache to be allocated before the connector is built"
         )
-    blocks_per_chunk = config.cache.blocks_per_chunk
-    parallel = config.parallel
     return ReplicaPlan.derive(
         {k: v for k, v in extra.items() if k not in VLLM_CONNECTOR_KEYS},
-        KVIdentity(
-            model=config.model.name,
-            dtype=config.model.dtype,
-            group_block_tokens=tuple(group.tokens_per_block for group in config.groups),
-            blocks_per_chunk=blocks_per_chunk,
-            parallel=(parallel.world_size, parallel.tp_size, parallel.pp_size, parallel.pcp_size, parallel.dcp_size),
-            worker_kv_bytes_per_block=config.worker_kv_bytes_per_block,
-            kv_cache_layout=config.kv_cache_layout,
-            tokens_per_hash=config.cache.tokens_per_hash,
-            prefix_hash_seed=hashlib.sha256(prefix_hash_seed().encode()).hexdigest(),
-            model_settings=settings,
-        ),
-        config.worker_kv_bytes_per_block * blocks_per_chunk,
-        parallel.world_size,
+        kv_identity(config, settings),
+        config.worker_kv_bytes_per_block * config.cache.blocks_per_chunk,
+        config.parallel.world_size,
         config.engine_id,
+    )
+
+
+def kv_identity(config: OffloadingConfig, settings: tuple[tuple[str, str], ...]) -> KVIdentity:
+    """What makes a vLLM replica's KV bytes interchangeable with another's, from its
+    OffloadingConfig and its model's `settings` (`vllm_model_settings`): the namespace's
+    inputs for distkv's spec and for its tier (distkv.vllm_tier) alike."""
+    parallel = config.parallel
+    return KVIdentity(
+        model=config.model.name,
+        dtype=config.model.dtype,
+        group_block_tokens=tuple(group.tokens_per_block for group in config.groups),
+        blocks_per_chunk=config.cache.blocks_per_chunk,
+        parallel=(parallel.world_size, parallel.tp_size, parallel.pp_size, parallel.pcp_size, parallel.dcp_size),
+        worker_kv_bytes_per_block=config.worker_kv_bytes_per_block,
+        kv_cache_layout=config.kv_cache_layout,
+        tokens_per_hash=config.cache.tokens_per_hash,
+        prefix_hash_seed=hashlib.sha256(prefix_hash_seed().encode()).hexdigest(),
+        model_settings=settings,
     )
 
 
@@ -223,6 +229,46 @@ class _ReusedKeys:
         self.keys: dict[abstract.OffloadKey, None] = {}
 
 
+class ReplicaConnectorStats:
+    """distkv's own series among vLLM's offloading metrics, from a replica's cluster
+    manager: its pool's usage, promotions in flight, bytes promoted by path. What
+    DistkvOffloadingManager and distkv's tier (distkv.vllm_tier) report from get_stats."""
+
+    def __init__(self, cluster: ClusterOffloadingManager) -> None:
+        self._cluster = cluster
+        self._reported_bytes = (0, 0)  # promoted bytes (same node, cross node) already reported
+
+    @staticmethod
+    def definitions() -> dict[str, OffloadingMetricMetadata]:
+        return {
+            POOL_USAGE: OffloadingGaugeMetadata(
+                documentation="Fraction of this replica's distkv pool rows holding or receiving a block."
+            ),
+            PROMOTIONS_IN_FLIGHT: OffloadingGaugeMetadata(
+                documentation="Blocks being copied into this replica's pool from other replicas."
+            ),
+            PROMOTED_BYTES: OffloadingCounterMetadata(
+                documentation="Bytes promoted into this replica's pool from other replicas, by path.",
+                labelnames=("path",),
+            ),
+        }
+
+    def take(self) -> OffloadingConnectorStats:
+        """The gauges now, and the counters' increase since the last call."""
+        stats = OffloadingConnectorStats()
+        cluster = self._cluster
+        local = cluster.local
+        stats.set_gauge(POOL_USAGE, 1.0 - local.num_free_rows / local.num_rows)
+        stats.set_gauge(PROMOTIONS_IN_FLIGHT, cluster.promotions_in_flight)
+        promoter = cluster.promoter
+        now = (promoter.bytes_same_node, promoter.bytes_cross_node)
+        for path, total, reported in zip(("same_node", "cross_node"), now, self._reported_bytes):
+            if total > reported:
+                stats.increase_counter(PROMOTED_BYTES, total - reported, (path,))
+        self._reported_bytes = now
+        return stats
+
+
 # vLLM's answer for each of distkv's LookupResults, indexed by it: the same four answers.
 VLLM_LOOKUP_ANSWERS: tuple[LookupResult, ...] = tuple(LookupResult[r.name] for r in abstract.LookupResult)
 
@@ -254,7 +300,7 @@ class DistkvOffloadingManager(OffloadingManager):
         self._events: list[OffloadingEvent] = []
         # callbacks may come from other threads than the scheduler's
         self._lock = threading.RLock()
-        self._reported_bytes = (0, 0)  # promoted bytes (same node, cross node) already reported
+        self._stats = ReplicaConnectorStats(cluster)
 
     @property
     def lock(self) -> threading.RLock:
@@ -319,17 +365,7 @@ class DistkvOffloadingManager(OffloadingManager):
         yield from events
 
     def get_stats(self) -> OffloadingConnectorStats:
-        stats = OffloadingConnectorStats()
-        local = self.cluster.local
-        stats.set_gauge(POOL_USAGE, 1.0 - local.num_free_rows / local.num_rows)
-        stats.set_gauge(PROMOTIONS_IN_FLIGHT, self.cluster.promotions_in_flight)
-        promoter = self.cluster.promoter
-        now = (promoter.bytes_same_node, promoter.bytes_cross_node)
-        for path, total, reported in zip(("same_node", "cross_node"), now, self._reported_bytes):
-            if total > reported:
-                stats.increase_counter(PROMOTED_BYTES, total - reported, (path,))
-        self._reported_bytes = now
-        return stats
+        return self._stats.take()
 
     def reset_cache(self) -> None:
         # vLLM completes none of the jobs in flight now: their rows stay out of use until
@@ -429,18 +465,7 @@ class RayOffloadingSpec(OffloadingSpec):
 
     @classmethod
     def build_metric_definitions(cls, extra_config: dict[str, Any]) -> dict[str, OffloadingMetricMetadata]:
-        return {
-            POOL_USAGE: OffloadingGaugeMetadata(
-                documentation="Fraction of this replica's distkv pool rows holding or receiving a block."
-            ),
-            PROMOTIONS_IN_FLIGHT: OffloadingGaugeMetadata(
-                documentation="Blocks being copied into this replica's pool from other replicas."
-            ),
-            PROMOTED_BYTES: OffloadingCounterMetadata(
-                documentation="Bytes promoted into this replica's pool from other replicas, by path.",
-                labelnames=("path",),
-            ),
-        }
+        return ReplicaConnectorStats.definitions()
 
     def __init__(self, config: OffloadingConfig):
         super().__init__(config)
@@ -509,7 +534,9 @@ __all__ = [
     "DistkvOffloadingWorker",
     "RayOffloadingSpec",
     "connector_vllm_config",
+    "ReplicaConnectorStats",
     "first_chunk",
+    "kv_identity",
     "offload_key_positions",
     "prefix_hash_seed",
     "request_root",

@@ -1,9 +1,14 @@
 """An in-memory Directory and link for testing the cluster manager without Ray."""
 
 import collections
+from concurrent.futures import Future
+
+import numpy as np
 
 from distkv.directory import Holder, ReplicaInfo
 from distkv.errors import ErrorLog
+from distkv.pool import HostPool, read_rows
+from distkv.promotion import layout_of
 
 
 class FunctionFetch:
@@ -98,3 +103,36 @@ class FakeLink:
 
     def close(self):
         self.removed(list(self.directory.holders))
+
+
+class PoolFetch:
+    """Stands in for the NodeAgent: reads the holder's pool when the future is resolved."""
+
+    def __init__(self, hold: bool = False, corrupt: bool = False):
+        self.hold = hold
+        self.corrupt = corrupt
+        self.pending: list[tuple[Future, ReplicaInfo, list, list, list]] = []
+        self.calls = 0
+        self.rows_asked: list[list[int]] = []
+
+    def __call__(self, info, rows, keys, gens):
+        self.calls += 1
+        self.rows_asked.append(list(rows))
+        future: Future = Future()
+        self.pending.append((future, info, rows, keys, gens))
+        if not self.hold:
+            self.release()
+        return future
+
+    def release(self):
+        for future, info, rows, keys, gens in self.pending:
+            pool = HostPool(info.pool_name, layout_of(info), create=False)
+            try:
+                data, metas = read_rows(pool, rows, keys, gens)
+                data = np.array(data)  # the agent's result is a copy in the object store
+            finally:
+                pool.close()
+            if self.corrupt:
+                data[:, :, 0] ^= 0xFF  # the first byte of every slot
+            future.set_result((data, metas))
+        self.pending.clear()

@@ -8,19 +8,17 @@ the same flows through the real actors.
 
 import time
 import uuid
-from concurrent.futures import Future
 
 import numpy as np
 import pytest
 
 from distkv.abstract import ReqContext
-from cluster_fakes import FakeDirectory, FakeLink
+from cluster_fakes import FakeDirectory, FakeLink, PoolFetch
 
 from distkv.cluster import ClusterOffloadingManager
 from distkv.directory import ReplicaInfo
 from distkv.harness import Replica, block_keys
-from distkv.pool import HostPool, read_rows
-from distkv.promotion import Promoter, layout_of
+from distkv.promotion import Promoter
 from distkv.transport import ObjectStoreTransport
 from distkv.spec import LocalOffloadingSpec
 

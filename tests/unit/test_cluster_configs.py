@@ -118,11 +118,13 @@ def test_launcher_keeps_token_auth_on_and_exports_metrics():
 
 
 def replicas_per_gpu_node() -> tuple[int, int]:
-    """(replicas per GPU node, each replica's pool bytes) from the Serve config."""
+    """(replicas per GPU node, each replica's host memory in /dev/shm: vLLM's CPU tier and
+    distkv's pool) from the Serve config."""
     (llm,) = load(SERVE)["applications"][0]["args"]["llm_configs"]
     extra = llm["engine_kwargs"]["kv_transfer_config"]["kv_connector_extra_config"]
     workers = load(RAYCLUSTER)["spec"]["workerGroupSpecs"][0]["replicas"]
-    return llm["deployment_config"]["num_replicas"] // workers, extra["cpu_bytes_to_use"]
+    tiers = sum(tier["cpu_bytes_to_use"] for tier in extra.get("secondary_tiers", []))
+    return llm["deployment_config"]["num_replicas"] // workers, extra["cpu_bytes_to_use"] + tiers
 
 
 def test_launcher_shm_holds_the_pools_and_the_object_store():
@@ -198,14 +200,30 @@ def llm_config() -> dict:
     return llm
 
 
-def test_serve_config_runs_vllm_with_distkvs_connector():
+def test_serve_config_runs_vllms_tiering_with_distkv_as_a_tier():
     kv = llm_config()["engine_kwargs"]["kv_transfer_config"]
     assert (kv["kv_connector"], kv["kv_role"]) == ("OffloadingConnector", "kv_both")
     assert "engine_id" not in kv, "replicas need one engine_id each: vLLM makes it"
     extra = kv["kv_connector_extra_config"]
-    assert (extra["spec_name"], extra["spec_module_path"], extra["ray_address"]) == (
-        "RayOffloadingSpec", "distkv.vllm", "auto")
+    assert extra["spec_name"] == "TieringOffloadingSpec"
+    (tier,) = extra["secondary_tiers"]
+    assert (tier["type"], tier["module_path"], tier["ray_address"]) == ("DistkvTier", "distkv.vllm_tier", "auto")
+    DistkvConfig.from_extra_config({k: v for k, v in tier.items() if k not in ("type", "module_path")})
+
+
+def test_serve_config_shows_distkvs_spec_as_the_alternative():
+    """The commented alternative is a valid kv_connector_extra_config of distkv's spec."""
+    lines = SERVE.read_text().splitlines()
+    start = next(i for i, line in enumerate(lines) if "replace kv_connector_extra_config with" in line)
+    block = []
+    for line in lines[start + 1:]:
+        if not line.strip().startswith("#   "):
+            break
+        block.append(line.strip()[4:])
+    extra = yaml.safe_load("\n".join(block))
+    assert (extra["spec_name"], extra["spec_module_path"]) == ("RayOffloadingSpec", "distkv.vllm")
     DistkvConfig.from_extra_config({k: v for k, v in extra.items() if k not in VLLM_EXTRA_KEYS})
+    assert extra["cpu_bytes_to_use"] == replicas_per_gpu_node()[1], "the same host memory either way"
 
 
 def test_serve_config_engine_kwargs_are_vllm_arguments():
@@ -223,7 +241,12 @@ def test_serve_config_engine_kwargs_are_vllm_arguments():
     known = {f.name for f in dataclasses.fields(AsyncEngineArgs)} | {f.name for f in dataclasses.fields(FrontendArgs)}
     assert set(engine_kwargs) <= known
     kv = KVTransferConfig(**engine_kwargs["kv_transfer_config"])
-    assert kv.kv_connector_extra_config["spec_module_path"] == "distkv.vllm"
+    (tier,) = kv.kv_connector_extra_config["secondary_tiers"]
+    from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
+
+    from distkv.vllm_tier import DistkvTier
+
+    assert SecondaryTierFactory.get_tier_class(tier) is DistkvTier
 
 
 def test_serve_config_builds_with_ray_serve_llm(monkeypatch):

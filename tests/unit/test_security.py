@@ -85,6 +85,7 @@ def test_every_field_of_the_kv_identity_is_part_of_the_namespace():
         "model": "m2", "dtype": "fp8", "group_block_tokens": (32,), "blocks_per_chunk": 4, "parallel": (2,),
         "group_page_bytes": (4096,), "worker_kv_bytes_per_block": 4096, "kv_cache_layout": "HND",
         "tokens_per_hash": 16, "prefix_hash_seed": "ab", "model_settings": (("revision", '"v2"'),),
+        "chunk_format": "vllm-primary-direct",
     }
     assert set(others) == {f.name for f in dataclasses.fields(KVIdentity)}
     namespaces = {cache_namespace(dataclasses.replace(kv, **{name: value})) for name, value in others.items()}

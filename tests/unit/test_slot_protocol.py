@@ -38,6 +38,7 @@ from distkv.manager import LocalOffloadingManager
 from distkv.names import segment_name
 from distkv.pool import HEADER_BYTES, PAGE_BYTES, HostPool, PoolLayout, PoolLoadStoreSpec, check_landed, read_rows
 from distkv.directory import ReplicaInfo
+from distkv.tier_copies import load_row
 from distkv.transport import ObjectStoreTransport, RowRead
 
 SLOT_BYTES = PAGE_BYTES
@@ -252,7 +253,23 @@ class OneSidedRead:
         self.pool.close()
 
 
-READERS = [SameNodeRead, AgentRead, LocalLoad]
+class TierLoad:
+    """distkv's vLLM tier loading the block into a chunk of vLLM's primary tier
+    (`distkv.tier_copies.load_row`): the holder's own mapping of its pool."""
+
+    def __init__(self, row: Row) -> None:
+        self.pool = traced(HostPool(row.name, LAYOUT, create=False))
+        self.primary = np.zeros((2, SLOT_BYTES), dtype=np.uint8)
+
+    def __call__(self, row: Row) -> np.ndarray | None:
+        self.primary[1] = 0
+        return self.primary[1].copy() if load_row(self.pool, self.primary, row.row, KEY_A, row.generation, 1) else None
+
+    def close(self) -> None:
+        self.pool.close()
+
+
+READERS = [SameNodeRead, AgentRead, LocalLoad, TierLoad]
 
 
 def explore(reader_kind, new_key: bytes) -> dict[str, int]:

@@ -98,3 +98,14 @@ def test_a_report_of_another_stats_version_counts_as_none():
     # and the newest report it can read still counts
     (entry,) = merge_replicas([("ns", shard_entry("r1", 4, 0.3, newer)), ("ns", shard_entry("r1", 4, 0.3, report(11.0, 3)))])
     assert entry["lookups"]["local_hit"] == 3
+
+
+def test_each_replica_shows_its_mode_and_a_report_without_one_is_of_a_spec_replica():
+    tier = {**report(12.0, local_hit=9), "mode": "tier"}
+    older = report(12.0, local_hit=9)
+    del older["mode"]  # a replica of a distkv from before modes
+    replicas = merge_replicas([("ns", shard_entry("r1", 4, 0.3, tier)), ("ns", shard_entry("r2", 4, 0.3, older))])
+    assert [r["mode"] for r in replicas] == ["tier", "spec"]
+    status = {"nodes": [], "replicas": replicas, "directory": [], "recent_errors": []}
+    rows = [line.split() for line in format_status(status).splitlines() if line.split()[:1] == ["ns"]]
+    assert [row[3] for row in rows] == ["tier", "spec"]

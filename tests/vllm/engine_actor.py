@@ -23,7 +23,7 @@ class EngineActor:
         return ray.get_runtime_context().get_node_id()
 
     def namespace(self) -> str:
-        return self.engine.manager.cluster.link.namespace
+        return self.engine.cluster.link.namespace
 
     def serve(self, prompts: dict[str, list[int]]) -> dict[str, tuple[list[int | None], tuple[int, bool]]]:
         """Run the requests to the end; per request, the connector's answers and what was preloaded."""
@@ -33,21 +33,30 @@ class EngineActor:
         return {r: (self.engine.matched[r], self.engine.preloaded[r]) for r in prompts}
 
     def stored_keys(self) -> list[bytes]:
-        return self.engine.manager.cluster.local.ready_keys()
+        return self.engine.cluster.local.ready_keys()
 
     def sees(self, keys: list[bytes]) -> bool:
         """Whether this replica's Directory view holds every key."""
-        link = self.engine.manager.cluster.link
+        link = self.engine.cluster.link
         return all(link.holders(key) for key in keys)
 
     def promoted_bytes(self) -> tuple[int, int]:
         """Bytes promoted into this replica's pool: (same node, cross node)."""
-        promoter = self.engine.manager.cluster.promoter
+        promoter = self.engine.cluster.promoter
         return promoter.bytes_same_node, promoter.bytes_cross_node
 
     def transported(self) -> dict[str, list[float]]:
         """Cross-node promotions by transport: [blocks, bytes, seconds]."""
-        return dict(self.engine.manager.cluster.promoter.transported)
+        return dict(self.engine.cluster.promoter.transported)
+
+    def pid(self) -> int:
+        import os
+
+        return os.getpid()
+
+    def tier_keys_failed(self) -> int:
+        """Keys of load jobs distkv's tier reported failed (a tier replica only)."""
+        return self.engine.tier.keys_failed
 
     def worker_plan(self) -> tuple[Any, ReplicaPlan]:
         """The OffloadingConfig vLLM built the worker side's spec from, and the plan it derived."""

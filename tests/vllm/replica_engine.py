@@ -44,6 +44,10 @@ MAX_MODEL_LEN = 8192
 KV_SPEC = FullAttentionSpec(block_size=GPU_BLOCK_TOKENS, num_kv_heads=1, head_size=16, dtype=torch.float16)
 TOKEN_BYTES = KV_SPEC.page_size_bytes // GPU_BLOCK_TOKENS
 DISTKV_EXTRA = {"spec_name": "RayOffloadingSpec", "spec_module_path": "distkv.vllm"}
+# vLLM's own tiered offloading, its CUDA worker stood in for (host_tiering.py), distkv a
+# secondary tier: tier_extra(...) adds the secondary_tiers
+TIERING_EXTRA = {"spec_name": "HostTieringOffloadingSpec", "spec_module_path": "host_tiering"}
+DISTKV_TIER = {"type": "DistkvTier", "module_path": "distkv.vllm_tier"}
 
 init_none_hash(sha256)
 
@@ -154,8 +158,20 @@ class EngineReplica:
 
     @property
     def manager(self):
-        """distkv's manager (distkv.vllm.DistkvOffloadingManager) in this replica's scheduler."""
+        """The offloading manager in this replica's scheduler: distkv's
+        (distkv.vllm.DistkvOffloadingManager), or vLLM's TieringOffloadingManager."""
         return self.connector.connector_scheduler.manager
+
+    @property
+    def tier(self):
+        """distkv's tier (distkv.vllm_tier.DistkvTier) among the tiering manager's secondary tiers."""
+        return next(t for t in self.manager.secondary_tiers if t.tier_type == DISTKV_TIER["type"])
+
+    @property
+    def cluster(self):
+        """distkv's ClusterOffloadingManager in this replica, as a spec or as a tier."""
+        manager = self.manager
+        return manager.cluster if hasattr(manager, "cluster") else self.tier.cluster
 
     def add(self, req_id: str, tokens: list[int]) -> None:
         params = SamplingParams(max_tokens=1, ignore_eos=True)
