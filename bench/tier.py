@@ -49,6 +49,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # runs from a checkout, uninstalled
 sys.path.append(str(ROOT / "bench"))
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the model is a local config.json
 
 import numpy as np  # noqa: E402
 import ray  # noqa: E402
@@ -72,6 +73,7 @@ def tiering_manager(engine_id: str, chunk_bytes: int, num_chunks: int, tiers: li
         OffloadingModelConfig,
         OffloadingParallelConfig,
     )
+    from vllm.config import set_current_vllm_config
     from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
     config = OffloadingConfig(
@@ -88,7 +90,21 @@ def tiering_manager(engine_id: str, chunk_bytes: int, num_chunks: int, tiers: li
         ),
         kv_cache_layout="LBNHC",
     )
-    return TieringOffloadingSpec(config).get_manager()
+    with set_current_vllm_config(bench_vllm_config()):  # the model it caches, as its connector would say
+        return TieringOffloadingSpec(config).get_manager()
+
+
+def bench_vllm_config():
+    """A VllmConfig of a small OPT-shaped model (vLLM reads its config.json, never weights)."""
+    from vllm.config import ModelConfig, VllmConfig
+
+    model_dir = Path(tempfile.mkdtemp(prefix="distkv-bench-model-"))
+    (model_dir / "config.json").write_text(json.dumps({
+        "architectures": ["OPTForCausalLM"], "model_type": "opt", "hidden_size": 64, "word_embed_proj_dim": 64,
+        "num_attention_heads": 4, "num_hidden_layers": 2, "ffn_dim": 128, "max_position_embeddings": 2048,
+        "vocab_size": 50272, "torch_dtype": "float16",
+    }))
+    return VllmConfig(model_config=ModelConfig(model=str(model_dir), dtype="float16", skip_tokenizer_init=True))
 
 
 def keys_of(tag: str, n: int) -> list[bytes]:

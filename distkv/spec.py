@@ -181,7 +181,7 @@ def join_cluster(
         node_id = ray.get_runtime_context().get_node_id()
         agent = start_node_agent(node_id)
         ray.get(agent.node_id.remote())
-        manager = _join(plan, pool, local, transport, seal, node_id, agent, started)
+        manager = _join(plan, pool, local, transport, seal, node_id, agent, started, mode)
         started.pop_all()
         return manager
 
@@ -195,6 +195,7 @@ def _join(
     node_id: str,
     agent: Any,
     started: contextlib.ExitStack,
+    mode: str,
 ) -> "ClusterOffloadingManager":
     """join_cluster's steps once this node's agent runs: what they start goes on `started`."""
     from distkv import metrics

@@ -22,7 +22,7 @@ from collections.abc import Collection, Iterable, Mapping
 from typing import Any
 
 try:
-    from vllm.config import VllmConfig
+    from vllm.config import VllmConfig, get_current_vllm_config_or_none
     from vllm.config.utils import get_hash_factors, normalize_value
     from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import OffloadingConnectorStats
     from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import OffloadingConnector
@@ -104,15 +104,18 @@ CACHE_SETTINGS_IN_KV = ("kv_cache_dtype_skip_layers", "mamba_cache_dtype", "mamb
 
 
 def connector_vllm_config() -> VllmConfig:
-    """The VllmConfig of the OffloadingConnector that is building the spec now.
+    """The VllmConfig of the engine whose OffloadingConnector is building the spec (or tier) now.
 
     vLLM 0.33 hands a spec only an OffloadingConfig, which keeps of the model its name and
     KV dtype: not its revision, weights dtype, quantization or config overrides, which
     change the KV bytes of every prompt (docs/configuration.md). It builds the spec inside
     `OffloadingConnector.__init__(self, vllm_config, role, kv_cache_config)`, in the
     scheduler and in every worker. This is the one place that reads that constructor's
-    `vllm_config`, found on the call stack by the constructor's own code, read-only. A spec
-    built elsewhere would not know which weights it caches: a ValueError says so.
+    `vllm_config`, found on the call stack by the constructor's own code, read-only. Code
+    that builds a spec outside the connector (a benchmark, a test of the tier alone) says
+    which config is in effect as vLLM does for its model code, with
+    `vllm.config.set_current_vllm_config`. A spec built with neither would not know which
+    weights it caches: a ValueError says so.
     """
     frame = sys._getframe(1)
     while frame is not None:
@@ -121,10 +124,13 @@ def connector_vllm_config() -> VllmConfig:
             if isinstance(vllm_config, VllmConfig):
                 return vllm_config
         frame = frame.f_back
+    vllm_config = get_current_vllm_config_or_none()
+    if vllm_config is not None and vllm_config.model_config is not None:
+        return vllm_config
     raise ValueError(
-        "distkv.vllm.RayOffloadingSpec must be built by vLLM's OffloadingConnector "
-        "(kv_transfer_config 'kv_connector': 'OffloadingConnector'): the model's revision, weights "
-        "and config overrides, part of the cache namespace, come from the VllmConfig it is built with"
+        "distkv must be built by vLLM's OffloadingConnector (kv_transfer_config 'kv_connector': "
+        "'OffloadingConnector'), or under vllm.config.set_current_vllm_config: the model's revision, "
+        "weights and config overrides, part of the cache namespace, come from the engine's VllmConfig"
     )
 
 

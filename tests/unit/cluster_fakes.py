@@ -124,6 +124,9 @@ class PoolFetch:
             self.release()
         return future
 
+    def forget_gone(self, replica_info):
+        pass
+
     def release(self):
         for future, info, rows, keys, gens in self.pending:
             pool = HostPool(info.pool_name, layout_of(info), create=False)

@@ -27,42 +27,6 @@ PAGE_BYTES = 16 << 10
 BLOCK_BYTES = 2 * PAGE_BYTES
 
 
-class PoolFetch:
-    """Stands in for the NodeAgent: reads the holder's pool when the future is resolved."""
-
-    def __init__(self, hold: bool = False, corrupt: bool = False):
-        self.hold = hold
-        self.corrupt = corrupt
-        self.pending: list[tuple[Future, ReplicaInfo, list, list, list]] = []
-        self.calls = 0
-        self.rows_asked: list[list[int]] = []
-
-    def __call__(self, info, rows, keys, gens):
-        self.calls += 1
-        self.rows_asked.append(list(rows))
-        future: Future = Future()
-        self.pending.append((future, info, rows, keys, gens))
-        if not self.hold:
-            self.release()
-        return future
-
-    def forget_gone(self, replica_info):
-        pass
-
-    def release(self):
-        for future, info, rows, keys, gens in self.pending:
-            pool = HostPool(info.pool_name, layout_of(info), create=False)
-            try:
-                data, metas = read_rows(pool, rows, keys, gens)
-                data = np.array(data)  # the agent's result is a copy in the object store
-            finally:
-                pool.close()
-            if self.corrupt:
-                data[:, :, 0] ^= 0xFF  # the first byte of every slot
-            future.set_result((data, metas))
-        self.pending.clear()
-
-
 class FakeClusterSpec(LocalOffloadingSpec):
     """The local spec with a ClusterOffloadingManager over the fakes (set after construction)."""
 

@@ -15,7 +15,8 @@ import pytest
 
 pytest.importorskip("vllm.v1.kv_offload.tiering.base")
 
-from replica_engine import DISTKV_TIER  # noqa: E402
+from replica_engine import DISTKV_TIER, vllm_config  # noqa: E402
+from vllm.config import set_current_vllm_config  # noqa: E402
 from vllm.v1.kv_offload.base import LookupResult, ReqContext, ScheduleEndContext, make_offload_key  # noqa: E402
 from vllm.v1.kv_offload.config import (  # noqa: E402
     OffloadingCacheConfig,
@@ -78,7 +79,7 @@ def test_what_else_makes_another_namespace():
     assert namespace(config) != namespace(offloading_config(dtype="fp8"))
     # distkv's spec lays rows out otherwise (a slot per worker): the two never share
     spec_config = dataclasses.replace(config, extra_config={"cpu_bytes_to_use": 1 << 20})
-    assert namespace(config) != replica_plan(spec_config).namespace
+    assert namespace(config) != replica_plan(spec_config, ()).namespace
 
 
 def test_the_pool_holds_a_chunk_per_row():
@@ -101,10 +102,10 @@ def test_bad_settings_fail_at_start_naming_the_key(settings, named):
         tier_plan(offloading_config(), (), settings, CHUNK_BYTES)
 
 
-def test_a_bad_tier_entry_fails_vllms_tiering_at_start():
+def test_a_bad_tier_entry_fails_vllms_tiering_at_start(model_dir):
     tiers = [{**DISTKV_TIER, "cpu_bytes_to_use": 1 << 20, "evicton_policy": "lru"}]
     spec = TieringOffloadingSpec(offloading_config(tiers=tiers))
-    with pytest.raises(ValueError, match="evicton_policy"):
+    with set_current_vllm_config(vllm_config(model_dir, {})), pytest.raises(ValueError, match="evicton_policy"):
         spec.get_manager()
 
 
@@ -114,13 +115,14 @@ def chunk_of(manager, key: bytes, ctx: ReqContext) -> int:
     return int(spec.chunk_ids[0])
 
 
-def test_tp1_and_tp2_replicas_share_canonical_chunks(ray_session):
+def test_tp1_and_tp2_replicas_share_canonical_chunks(ray_session, model_dir):
     """Replica A at TP=1 stores chunks; replica B at TP=2 finds them in distkv's tier and
     promotes them into its primary tier, byte for byte."""
     salt = uuid.uuid4().hex
     tiers = [{**DISTKV_TIER, "cpu_bytes_to_use": 1 << 20, "tenant_salt": salt, "directory_view": "push"}]
     specs = [TieringOffloadingSpec(offloading_config(tp, canonical=True, tiers=tiers)) for tp in (1, 2)]
-    a, b = (spec.get_manager() for spec in specs)
+    with set_current_vllm_config(vllm_config(model_dir, {})):  # the model both run, as their connectors would say
+        a, b = (spec.get_manager() for spec in specs)
     tier_a, tier_b = a.secondary_tiers[0], b.secondary_tiers[0]
     assert tier_a.cluster.link.namespace == tier_b.cluster.link.namespace
     step = ScheduleEndContext(new_req_ids=(), preempted_req_ids=())
