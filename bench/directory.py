@@ -23,7 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import ray  # noqa: E402
 
-from distkv.directory import DirectoryLink, ReplicaInfo, pack, shard_of  # noqa: E402
+from distkv.directory.link import DirectoryLink, ReplicaInfo, pack, shard_of  # noqa: E402
 from distkv.names import RAY_NAMESPACE, segment_name  # noqa: E402
 from ray_actors.directory import get_or_create_shards, head_node_id, kill_shards, shard_clients  # noqa: E402
 

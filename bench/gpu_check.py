@@ -75,8 +75,8 @@ def _holder(name: str, layout: tuple[int, int, int], conn) -> None:
     """Seal row i with bytes i+1 (every byte), register the pool, serve until told."""
     import numpy as np
 
-    from distkv.pool import HostPool, PoolLayout
-    from distkv.rdma import NixlAgent
+    from distkv.storage.pool import HostPool, PoolLayout
+    from distkv.transfer.rdma import NixlAgent
 
     pool = HostPool(name, PoolLayout(*layout))
     rows = np.arange(pool.layout.num_rows)
@@ -98,8 +98,8 @@ def nixl_to_gpu() -> dict[str, Any]:
     import torch
 
     from distkv.names import segment_name
-    from distkv.pool import PoolLayout
-    from distkv.rdma import NixlAgent, RdmaUnavailable
+    from distkv.storage.pool import PoolLayout
+    from distkv.transfer.rdma import NixlAgent, RdmaUnavailable
 
     layout = PoolLayout(num_rows=128, num_ranks=1, slot_bytes=NIXL_BYTES // 128)
     try:

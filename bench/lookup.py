@@ -38,9 +38,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runs from a chec
 import ray  # noqa: E402
 
 from distkv.abstract import LookupResult, ReqContext, make_offload_key  # noqa: E402
-from distkv.cluster import ClusterOffloadingManager  # noqa: E402
+from distkv.replica.cluster_manager import ClusterOffloadingManager  # noqa: E402
 from distkv.names import RAY_NAMESPACE  # noqa: E402
-from distkv.spec import ClusterOffloadingSpec  # noqa: E402
+from distkv.replica.specs import ClusterOffloadingSpec  # noqa: E402
 from ray_actors.directory import kill_shards  # noqa: E402
 
 PAGE_BYTES = 4 << 10

@@ -29,7 +29,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runs from a checkout, uninstalled
 
 from distkv.abstract import ReqContext, make_offload_key
-from distkv.manager import LocalOffloadingManager
+from distkv.replica.local_manager import LocalOffloadingManager
 
 BATCH = 64
 TARGETS = {"lookup": 2e6, "store": 3e3, "load": 5e3}

@@ -5,7 +5,7 @@ a Ray actor call.
 
 One local Ray node and one shard holding a replica's 9,000 keys. The same queries of 90
 keys (a request's prefix, all of them hits), the same typed answer back, through
-`ShardActorClient.query`, which uses the shard's channel (`distkv.query_channel`: both
+`ShardActorClient.query`, which uses the shard's channel (`distkv.directory.query_channel`: both
 ends proven, every frame tagged), over gRPC with mutual TLS to the same shard
 (`bench/query_grpc.py`: what the channel would be with the library), and as the baseline
 through the actor's `query` method, in the same run, alternating by round (the shard's key
@@ -35,9 +35,9 @@ import psutil  # noqa: E402
 import ray  # noqa: E402
 
 from distkv.demo.runner import token_auth_on  # noqa: E402
-from distkv.directory import ReplicaInfo, pack  # noqa: E402
-from distkv.directory_answer import decode_answer  # noqa: E402
-from distkv.directory_state import MAX_CALL_KEYS  # noqa: E402
+from distkv.directory.link import ReplicaInfo, pack  # noqa: E402
+from distkv.directory.answer import decode_answer  # noqa: E402
+from distkv.directory.state import MAX_CALL_KEYS  # noqa: E402
 from distkv.names import RAY_NAMESPACE, segment_name  # noqa: E402
 from ray_actors.directory import ShardActorClient  # noqa: E402
 import query_grpc  # noqa: E402  (bench/, this script's directory, as the next)

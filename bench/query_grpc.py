@@ -1,8 +1,8 @@
-"""The Directory's queries over gRPC: the library way of what `distkv.query_channel` does by
+"""The Directory's queries over gRPC: the library way of what `distkv.directory.query_channel` does by
 hand, measured against it by `bench/query_channel.py` (docs/benchmarks.md).
 
 Built to cost what a production version would, no less: the same request bytes (the
-channel's keys) and the same typed answer (`distkv.directory_answer`), answered on the
+channel's keys) and the same typed answer (`distkv.directory.answer`), answered on the
 shard's event loop (grpc.aio) by the shard's own `_answer`; both ends authenticated and every
 byte protected, by mutual TLS under two self-signed certificates the shard makes per
 incarnation (its own, whose key never leaves it, and one for its clients), handed out through
@@ -25,10 +25,10 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
-from distkv.directory import QUERY_TIMEOUT_S
-from distkv import query_channel
-from distkv.directory_answer import MAX_ANSWER_BYTES
-from distkv.query_channel import (
+from distkv.directory.link import QUERY_TIMEOUT_S
+from distkv.directory import query_channel
+from distkv.directory.answer import MAX_ANSWER_BYTES
+from distkv.directory.query_channel import (
     HELLO_TIMEOUT_S,
     KEY_BURST,
     MAX_CONNECTIONS,

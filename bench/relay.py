@@ -5,7 +5,7 @@
 One local Ray node, a fresh namespace of --shards shards and the node's NodeAgent. --replicas
 replicas (registered `ReplicaInfo`s, driven from this process) take --steps steps each, as
 queried links do: a step hands one publish of --events events to every shard to the agent
-in one call (`distkv.relay.RelayBatch`'s call, `NodeAgent.relay`), which the agent's
+in one call (`distkv.directory.relay.RelayBatch`'s call, `NodeAgent.relay`), which the agent's
 `PublishRelay` carries on. Then the baseline, as following links publish: the same publishes
 sent to each shard directly, one call each. Printed: the agent's CPU per replica step (its
 own calls to the shards included) and the shards' CPU per step in both ways (psutil, the
@@ -27,7 +27,7 @@ import psutil  # noqa: E402
 import ray  # noqa: E402
 
 from distkv.demo.runner import token_auth_on  # noqa: E402
-from distkv.directory_state import ReplicaInfo, pack  # noqa: E402
+from distkv.directory.state import ReplicaInfo, pack  # noqa: E402
 from distkv.names import segment_name  # noqa: E402
 from ray_actors.directory import get_or_create_shards, kill_shards  # noqa: E402
 from ray_actors.node_agent import start_node_agent  # noqa: E402

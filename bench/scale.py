@@ -21,7 +21,7 @@ passes):
   serve            keys/s of a shard's work to send one follower one publish it has not
                    seen (slice the change log, pack), and the packed bytes per event
 Then, at the largest size, the memory of a second holder of a key (another replica
-publishes 100k held keys again); and a follower's view (distkv.directory.ShardView) of up
+publishes 100k held keys again); and a follower's view (distkv.directory.link.ShardView) of up
 to 1M keys: what it holds on to (tracemalloc, once the applied changes are gone) and how
 fast it applies them.
 
@@ -115,14 +115,14 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy  # noq
 
 from distkv.abstract import ReqContext, make_offload_key  # noqa: E402
 from distkv.demo.runner import token_auth_on  # noqa: E402
-from distkv.directory import Changes, Cursor, DirectoryState, Publisher, ReplicaInfo, ShardView, pack, shard_of, unpack  # noqa: E402
-from distkv.directory_answer import decode_answer, encode_answer  # noqa: E402
-from distkv.directory_state import YOUNG_COLLECTION_KEYS, ShardCollections, defer_full_collections, unpack_changes  # noqa: E402
-from distkv.errors import ErrorLog  # noqa: E402
+from distkv.directory.link import Changes, Cursor, DirectoryState, Publisher, ReplicaInfo, ShardView, pack, shard_of, unpack  # noqa: E402
+from distkv.directory.answer import decode_answer, encode_answer  # noqa: E402
+from distkv.directory.state import YOUNG_COLLECTION_KEYS, ShardCollections, defer_full_collections, unpack_changes  # noqa: E402
+from distkv.observability.errors import ErrorLog  # noqa: E402
 from distkv.names import segment_name  # noqa: E402
-from distkv.query_channel import QueryChannel  # noqa: E402
-from distkv.spec import ClusterOffloadingSpec  # noqa: E402
-from distkv.relay import PublishRelay, RelayedShard  # noqa: E402
+from distkv.directory.query_channel import QueryChannel  # noqa: E402
+from distkv.replica.specs import ClusterOffloadingSpec  # noqa: E402
+from distkv.directory.relay import PublishRelay, RelayedShard  # noqa: E402
 from ray_actors.directory import ShardActorClient, get_or_create_shards, kill_shards, shard_clients  # noqa: E402
 
 MiB = 1 << 20

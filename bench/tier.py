@@ -130,7 +130,7 @@ def store_chunks(manager, keys: list[bytes], seed: int) -> list[int]:
     wait for the cascades to every secondary tier; their checksums (xxh3), by key."""
     from vllm.v1.kv_offload.base import ReqContext
 
-    from distkv.pool import checksum
+    from distkv.storage.pool import checksum
 
     ctx = ReqContext(f"store-{uuid.uuid4().hex[:8]}")
     primary = np.frombuffer(manager.primary_tier.get_kv_memoryview(), dtype=np.uint8).reshape(-1, CHUNK_BYTES)
@@ -158,8 +158,8 @@ def store_chunks(manager, keys: list[bytes], seed: int) -> list[int]:
 
 def cascade(runs: int) -> dict:
     from distkv.names import segment_name
-    from distkv.pool import HostPool, PoolLayout
-    from distkv.tier_copies import ChunkCopier, store_rows
+    from distkv.storage.pool import HostPool, PoolLayout
+    from distkv.storage.tier_copies import ChunkCopier, store_rows
 
     rng = np.random.default_rng(0)
     primary = rng.integers(0, 256, (CASCADE_CHUNKS, CHUNK_BYTES), dtype=np.uint8)
@@ -325,7 +325,7 @@ class TierBenchReplica:
         bytes `transport` moved); every chunk is then checked against `sums`."""
         from vllm.v1.kv_offload.base import LookupResult, ReqContext
 
-        from distkv.pool import checksum
+        from distkv.storage.pool import checksum
 
         moved = self.tier.cluster.promoter.transported
         before = moved.get(transport, [0, 0, 0.0])[1]

@@ -57,8 +57,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runs from a chec
 
 from distkv.abstract import SEED_LOOKUP_ANSWERS, LookupResult, ReqContext  # noqa: E402
 from distkv.demo.workload import WorkloadConfig, generate  # noqa: E402
-from distkv.harness import block_keys  # noqa: E402
-from distkv.manager import LocalOffloadingManager  # noqa: E402
+from distkv.replica.harness import block_keys  # noqa: E402
+from distkv.replica.local_manager import LocalOffloadingManager  # noqa: E402
 
 KINDS = ("lookup", "prepare_load", "complete_load", "touch", "prepare_store", "complete_store", "take_events")
 LOOKUP, PREPARE_LOAD, COMPLETE_LOAD, TOUCH, PREPARE_STORE, COMPLETE_STORE, TAKE_EVENTS = range(len(KINDS))

@@ -29,10 +29,10 @@ from distkv.abstract import (
     GPULoadStoreSpec,
     make_offload_key,
 )
-from distkv.handlers import make_handlers
-from distkv.handlers.cpu import flat_bytes
+from distkv.storage.handlers import make_handlers
+from distkv.storage.handlers.cpu import flat_bytes
 from distkv.names import segment_name
-from distkv.pool import HostPool, PoolLayout, PoolLoadStoreSpec
+from distkv.storage.pool import HostPool, PoolLayout, PoolLoadStoreSpec
 
 
 def run_job(handler, job_id: int, spec) -> float:

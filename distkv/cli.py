@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from distkv import status
+from distkv.observability import status
 from distkv.demo import runner
 
 

@@ -16,7 +16,7 @@ from typing import Any
 POLICIES = ("lru", "arc")
 STORE_POLICIES = ("always", "dedupe")
 TRANSPORTS = ("auto", "nixl", "object_store")
-# how a replica learns what others hold (distkv.directory.DirectoryLink's `view`)
+# how a replica learns what others hold (distkv.directory.link.DirectoryLink's `view`)
 DIRECTORY_VIEWS = ("auto", "push", "query")
 
 # Keys that vLLM's OffloadingConnector itself reads from the same dict.

@@ -6,7 +6,7 @@
 
 vLLM builds the spec once in the scheduler process, which asks for the manager, and once
 in every worker process, which asks for the worker. Both derive the replica's pool name
-and layout from the same OffloadingConfig (distkv.spec.ReplicaPlan), so they meet in the
+and layout from the same OffloadingConfig (distkv.replica.specs.ReplicaPlan), so they meet in the
 same shared memory. Every key of ``kv_connector_extra_config`` is listed in
 docs/configuration.md.
 """
@@ -57,13 +57,13 @@ except ImportError as e:
     ) from e
 
 from distkv import abstract
-from distkv.cluster import ClusterOffloadingManager
+from distkv.replica.cluster_manager import ClusterOffloadingManager
 from distkv.config import HF_CONFIG_SOURCES, MODEL_SETTINGS_OUTSIDE_KV, KVIdentity, model_settings
-from distkv.directory_state import prefix_root
-from distkv.handlers import make_handlers
-from distkv.manager import LocalOffloadingManager
-from distkv.pool import HostPool
-from distkv.spec import ReplicaPlan, join_cluster
+from distkv.directory.state import prefix_root
+from distkv.storage.handlers import make_handlers
+from distkv.replica.local_manager import LocalOffloadingManager
+from distkv.storage.pool import HostPool
+from distkv.replica.specs import ReplicaPlan, join_cluster
 
 logger = logging.getLogger(__name__)
 

@@ -58,10 +58,10 @@ except ImportError as e:
     ) from e
 
 from distkv.config import CONNECTOR_KEYS
-from distkv.manager import LocalOffloadingManager
-from distkv.pool import HostPool
-from distkv.spec import ReplicaPlan, join_cluster
-from distkv.tier import ClusterTier
+from distkv.replica.local_manager import LocalOffloadingManager
+from distkv.storage.pool import HostPool
+from distkv.replica.specs import ReplicaPlan, join_cluster
+from distkv.replica.tier import ClusterTier
 from distkv.vllm import (
     VLLM_LOOKUP_ANSWERS,
     ReplicaConnectorStats,
@@ -130,7 +130,7 @@ class DistkvTier(SecondaryTierManager):
     replica of the namespace holds it, and its load copies it into the primary chunk vLLM
     reserved, promoted from the holder first where needed, every chunk checked. A chunk
     that does not check out is a failed key of its job (JobResult.successful_keys), which
-    vLLM recomputes. See distkv.tier.ClusterTier.
+    vLLM recomputes. See distkv.replica.tier.ClusterTier.
     """
 
     medium: ClassVar[Medium] = Medium.CPU

@@ -11,7 +11,7 @@ import torch
 
 from distkv.demo.engine import ModelReplica, demo_spec, pick_device
 from distkv.demo.model import ModelConfig
-from distkv.spec import LocalOffloadingSpec
+from distkv.replica.specs import LocalOffloadingSpec
 
 
 @ray.remote(num_cpus=0)

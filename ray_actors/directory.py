@@ -5,7 +5,7 @@ round-robin over the cluster's live nodes, the head first (`shard_nodes`), with 
 affinity: when its node dies Ray restarts it on another one. Long polls for changes wait on
 an event, on an event loop of their own (a concurrency group), so that neither their waiting
 nor the packing of their answers holds up registers, publishes and queries. Queries also
-come over the shard's `QueryServer` (`distkv.query_channel`), answered on the default loop
+come over the shard's `QueryServer` (`distkv.directory.query_channel`), answered on the default loop
 too. A shard drops the holders on nodes that died as the cluster's one `NodeWatcher`
 reports them (`ray_actors.node_watcher`), and reads no node table itself. A restarted
 shard starts empty with a new epoch; the replicas' links notice and publish everything
@@ -27,9 +27,9 @@ from concurrent.futures import Future
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from distkv import metrics
+from distkv.observability import metrics
 from distkv.abstract import OffloadKey
-from distkv.directory_state import (
+from distkv.directory.state import (
     Cursor,
     DirectoryState,
     MAX_CALL_KEYS,
@@ -45,9 +45,9 @@ from distkv.directory_state import (
     unpack_changes,
     unpack_stored,
 )
-from distkv.directory_answer import encode_answer
+from distkv.directory.answer import encode_answer
 from distkv.names import RAY_NAMESPACE, check_pool_namespace, parse_shard_name, shard_name
-from distkv.query_channel import TOKEN_BYTES, QueryChannel, QueryServer, channel_allowed
+from distkv.directory.query_channel import TOKEN_BYTES, QueryChannel, QueryServer, channel_allowed
 from ray_actors.node_watcher import node_watcher
 
 logger = logging.getLogger(__name__)
@@ -77,9 +77,9 @@ MAX_FOLLOWERS = 4096
 class DirectoryShard:
     """One shard of the Directory. Every method returns promptly except `changes`.
 
-    Bulk payloads cross as `distkv.directory.pack`ed bytes: stored entries come as a
+    Bulk payloads cross as `distkv.directory.link.pack`ed bytes: stored entries come as a
     packed list of (key, row, generation), taken in as plain data only, and changes go back
-    packed; query answers go back typed (`distkv.directory_answer`).
+    packed; query answers go back typed (`distkv.directory.answer`).
     `changes` runs in FOLLOWERS_GROUP, every other method on the default event loop,
     which alone changes the state; `_lock` keeps the followers' reads of it whole. A
     snapshot is collected on the default loop a step at a time between its other calls
@@ -170,7 +170,7 @@ class DirectoryShard:
 
     @ray.method(max_task_retries=0)
     async def publish_many(self, items: list[Relayed], namespace: str) -> tuple[str, list[bool | str], float]:
-        """Apply the publishes of several replicas that a node's relay carried (`distkv.relay`),
+        """Apply the publishes of several replicas that a node's relay carried (`distkv.directory.relay`),
         each as its own `publish`; (epoch, per item whether its replica is registered or why
         it was refused, the interval each replica is to leave between its calls)."""
         self._check(namespace)
@@ -206,13 +206,13 @@ class DirectoryShard:
     @ray.method(max_task_retries=0)
     async def query(self, keys: Sequence[OffloadKey], namespace: str) -> bytes:
         """The (holders of each key, ReplicaInfo of each replica they name) of
-        `DirectoryState.answer`, encoded as `distkv.directory_answer` says."""
+        `DirectoryState.answer`, encoded as `distkv.directory.answer` says."""
         self._check(namespace)
         return self._answer(keys)
 
     async def query_endpoint(self) -> tuple[str, int, bytes]:
         """(host, port, token) of this incarnation's `QueryServer`, which answers `query`
-        over a connection of the caller's (`distkv.query_channel`); RuntimeError where
+        over a connection of the caller's (`distkv.directory.query_channel`); RuntimeError where
         `channel_allowed` says no."""
         if self._query_address is None:
             raise RuntimeError("this shard serves no query channel: Ray's traffic is encrypted (RAY_USE_TLS)")
@@ -387,7 +387,7 @@ def shard_nodes(nodes: Sequence[dict], num_shards: int) -> list[str]:
 
 class ShardActorClient:
     """A `DirectoryShard` actor of cache namespace `namespace` as a
-    `distkv.directory.ShardClient`: each method calls the actor's and returns the Future of
+    `distkv.directory.link.ShardClient`: each method calls the actor's and returns the Future of
     its answer, but `query`, which goes over the shard's `QueryChannel` once that is
     connected (the first query starts connecting it), where `channel_allowed`."""
 

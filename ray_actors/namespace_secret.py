@@ -1,7 +1,7 @@
 """The secret a cache namespace's replicas share, kept in Ray's GCS, where Ray's token guards it.
 
 A replica's NIXL endpoint goes to the Directory sealed under a key derived from this secret
-and the tenant salt (`distkv.endpoint_seal`). The first replica of a namespace creates the
+and the tenant salt (`distkv.transfer.endpoint_seal`). The first replica of a namespace creates the
 secret; every later one reads it. The GCS's internal KV keeps it for the cluster's life:
 one entry of SECRET_BYTES per namespace ever joined.
 """
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from ray.experimental.internal_kv import _internal_kv_get, _internal_kv_put
 
-from distkv.endpoint_seal import SECRET_BYTES, new_secret
+from distkv.transfer.endpoint_seal import SECRET_BYTES, new_secret
 from distkv.names import RAY_NAMESPACE
 
 

@@ -14,14 +14,14 @@ from concurrent.futures import Future
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from distkv import metrics
+from distkv.observability import metrics
 from distkv.abstract import OffloadKey
-from distkv.directory import ReplicaInfo
+from distkv.directory.link import ReplicaInfo
 from distkv.names import RAY_NAMESPACE, agent_name, check_pool_namespace
-from distkv.pool import PRUNE_INTERVAL_S, PoolLayout, PoolReaders, RowsRead, read_rows
-from distkv.relay import Handed, PublishRelay, RelayBatch
-from distkv.segments import reclaim_stale_segments
-from distkv.transport import HolderNodes
+from distkv.storage.pool import PRUNE_INTERVAL_S, PoolLayout, PoolReaders, RowsRead, read_rows
+from distkv.directory.relay import Handed, PublishRelay, RelayBatch
+from distkv.storage.segments import reclaim_stale_segments
+from distkv.transfer.transport import HolderNodes
 from ray_actors.directory import find_shards
 
 logger = logging.getLogger(__name__)
@@ -52,12 +52,12 @@ class NodeAgent:
       (PoolReaders). The requester checks every slot it receives against its checksum: a
       row rewritten while it was copied is a miss.
     - `relay` carries the publishes of the node's queried replicas to the Directory, a
-      `distkv.relay.PublishRelay` per cache namespace: one call per shard per interval
+      `distkv.directory.relay.PublishRelay` per cache namespace: one call per shard per interval
       for the whole node. A relay unused for longer than `relay_idle_s` (its namespace's
       replicas on this node are gone, or its shard count changed) is closed and
       forgotten; a replica that publishes again later gets a new one.
     - Every PRUNE_INTERVAL_S it closes the pools it no longer needs mapped and reclaims
-      the node's stale pool segments (`distkv.segments.reclaim_stale_segments`: those
+      the node's stale pool segments (`distkv.storage.segments.reclaim_stale_segments`: those
       of killed replicas, which no live process holds), so that a replica killed with
       SIGKILL gives its shared memory back even if no pool is created on the node after.
     """
@@ -83,7 +83,7 @@ class NodeAgent:
         namespace: str,
     ) -> RowsRead:
         """The rows' slots as one (ranks, rows, slot_bytes) array, and each row's metas;
-        (None, [None, ...]) if the pool is gone. See `distkv.pool.read_rows`.
+        (None, [None, ...]) if the pool is gone. See `distkv.storage.pool.read_rows`.
 
         Refuses (ValueError) a pool that is not a distkv segment of cache `namespace`, and
         a layout that is not one.
@@ -107,7 +107,7 @@ class NodeAgent:
         return data, metas
 
     async def relay(self, namespace: str, num_shards: int, items: list[Handed]) -> list[tuple[str, bool, float] | str]:
-        """A replica's publishes (`distkv.relay.RelayBatch`: one step of its link, to any of
+        """A replica's publishes (`distkv.directory.relay.RelayBatch`: one step of its link, to any of
         `namespace`'s `num_shards` shards), carried with the node's others by the namespace's
         `PublishRelay`; per item, the shard's answer, or why it was refused (a str)."""
         relay = self._relays.get((namespace, num_shards))
@@ -175,7 +175,7 @@ def start_node_agent(node_id: str) -> ray.actor.ActorHandle:
 
 
 class AgentFetch:
-    """The Promoter's remote reads (a `distkv.transport.RemoteFetch`): a call to the holder
+    """The Promoter's remote reads (a `distkv.transfer.transport.RemoteFetch`): a call to the holder
     node's NodeAgent, whose handle it keeps while the Directory lists a holder there."""
 
     def __init__(self, namespace: str) -> None:

@@ -1,6 +1,6 @@
 """One `NodeWatcher` per cluster: reads Ray's node table for every Directory shard.
 
-Its logic is `distkv.node_table.DeadNodes`. It is a named actor in distkv's Ray namespace
+Its logic is `distkv.directory.node_table.DeadNodes`. It is a named actor in distkv's Ray namespace
 (`NODE_WATCHER_NAME`), made by the first shard that asks for it (`node_watcher`) and owned
 by that shard's process, not detached: when that process goes, so does the watcher, and the
 next shard to ask makes another, so that none outlives the shards it serves. Each shard
@@ -15,7 +15,7 @@ import logging
 import ray
 
 from distkv.names import NODE_WATCHER_NAME, RAY_NAMESPACE
-from distkv.node_table import DeadNodes, DeadNodesVersion
+from distkv.directory.node_table import DeadNodes, DeadNodesVersion
 
 logger = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""ReplicaActor: a stand-in engine replica (distkv.harness.Replica) as a Ray actor.
+"""ReplicaActor: a stand-in engine replica (distkv.replica.harness.Replica) as a Ray actor.
 
 Tests, the demo and benchmarks place replicas on chosen nodes with it; all the logic is
 in the harness and the spec.
@@ -14,9 +14,9 @@ import numpy as np
 import ray
 
 from distkv.abstract import ReqContext
-from distkv.harness import Replica
-from distkv.spec import ClusterOffloadingSpec
-from distkv.stats import ReplicaStats
+from distkv.replica.harness import Replica
+from distkv.replica.specs import ClusterOffloadingSpec
+from distkv.observability.stats import ReplicaStats
 
 
 @ray.remote(num_cpus=0)

@@ -46,7 +46,7 @@ from distkv.demo.model import ModelConfig
 from distkv.demo.runner import token_auth_on
 from distkv.demo.workload import WorkloadConfig, generate
 from distkv.names import RAY_NAMESPACE, SEGMENT_PREFIX, agent_name
-from distkv.segments import reclaim_stale_segments
+from distkv.storage.segments import reclaim_stale_segments
 from ray_actors.demo_replica import DemoReplicaActor
 from ray_actors.directory import get_or_create_shards, kill_shards
 

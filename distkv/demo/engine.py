@@ -18,11 +18,11 @@ import numpy as np
 import torch
 
 from distkv.abstract import OffloadingSpec
-from distkv.cluster import ClusterOffloadingManager
+from distkv.replica.cluster_manager import ClusterOffloadingManager
 from distkv.demo.model import ModelConfig, PagedKV, TinyDecoder, prefill
-from distkv.harness import Prefill, Replica, block_keys
-from distkv.spec import ClusterOffloadingSpec
-from distkv.transport import NixlTransport, ObjectStoreTransport
+from distkv.replica.harness import Prefill, Replica, block_keys
+from distkv.replica.specs import ClusterOffloadingSpec
+from distkv.transfer.transport import NixlTransport, ObjectStoreTransport
 
 SOURCES = ("local", "same_node", "cross_node")
 # the transports that move blocks between nodes (the `transport` setting also has "auto")

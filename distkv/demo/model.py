@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 import xxhash
 
-from distkv.pool import page_align
+from distkv.storage.pool import page_align
 
 _FLOAT = torch.float32
 

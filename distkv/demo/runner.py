@@ -31,7 +31,7 @@ from distkv.demo.engine import demo_spec
 from distkv.demo.model import ModelConfig
 from distkv.demo.report import Tally, format_table
 from distkv.demo.workload import Request, WorkloadConfig, generate, oracle_hit_tokens
-from distkv.segments import reclaim_stale_segments
+from distkv.storage.segments import reclaim_stale_segments
 
 OBJECT_STORE_BYTES = 256 << 20  # per simulated node: promotions in flight are a few MiB
 REQUEST_TIMEOUT_S = 300.0  # no request finishing for that long means a replica is stuck

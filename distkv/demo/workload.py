@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from distkv.harness import block_keys
+from distkv.replica.harness import block_keys
 
 
 @dataclass(frozen=True)

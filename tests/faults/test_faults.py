@@ -25,12 +25,12 @@ from workload import (
     wait_until,
 )
 
-from distkv.directory import ReplicaInfo, pack
-from distkv.directory_answer import decode_answer
-from distkv.harness import block_keys
+from distkv.directory.link import ReplicaInfo, pack
+from distkv.directory.answer import decode_answer
+from distkv.replica.harness import block_keys
 from distkv.names import segment_name
-from distkv.pool import PoolLayout
-from distkv.segments import reclaim_stale_segments
+from distkv.storage.pool import PoolLayout
+from distkv.storage.segments import reclaim_stale_segments
 from ray_actors.directory import get_or_create_shards, kill_shards
 
 

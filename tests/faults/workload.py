@@ -27,10 +27,10 @@ import ray.cloudpickle
 from ray._private import internal_api
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from distkv.harness import Replica
+from distkv.replica.harness import Replica
 from distkv.names import RAY_NAMESPACE, SEGMENT_PREFIX, agent_name
-from distkv.spec import ClusterOffloadingSpec
-from distkv.stats import ReplicaStats
+from distkv.replica.specs import ClusterOffloadingSpec
+from distkv.observability.stats import ReplicaStats
 from ray_actors.directory import get_or_create_shards, kill_shards
 
 # Workers cannot import this module (tests/faults is not on their path): ship it by value.

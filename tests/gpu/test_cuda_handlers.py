@@ -20,9 +20,9 @@ from distkv.abstract import (  # noqa: E402
     CanonicalKVCacheTensor,
     GPULoadStoreSpec,
 )
-from distkv.handlers import make_handlers  # noqa: E402
+from distkv.storage.handlers import make_handlers  # noqa: E402
 from distkv.names import segment_name  # noqa: E402
-from distkv.pool import (  # noqa: E402
+from distkv.storage.pool import (  # noqa: E402
     PAGE_BYTES,
     HostPool,
     PoolLayout,

@@ -17,10 +17,10 @@ from ray._private import internal_api
 from ray.experimental.internal_kv import _internal_kv_del
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from distkv.directory_answer import decode_answer
-from distkv.harness import block_keys
+from distkv.directory.answer import decode_answer
+from distkv.replica.harness import block_keys
 from distkv.names import RAY_NAMESPACE, SEGMENT_PREFIX, agent_name, segment_name
-from distkv.spec import ClusterOffloadingSpec
+from distkv.replica.specs import ClusterOffloadingSpec
 from ray_actors.directory import get_or_create_shards, kill_shards
 from ray_actors.namespace_secret import secret_key
 from ray_actors.replica import ReplicaActor

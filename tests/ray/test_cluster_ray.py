@@ -12,9 +12,9 @@ import pytest
 import ray
 
 from distkv.abstract import ReqContext
-from distkv.harness import Replica, block_keys
+from distkv.replica.harness import Replica, block_keys
 from distkv.names import RAY_NAMESPACE, SEGMENT_PREFIX, agent_name
-from distkv.spec import ClusterOffloadingSpec
+from distkv.replica.specs import ClusterOffloadingSpec
 from ray_actors.directory import get_or_create_shards, kill_shards
 from ray_actors.node_agent import PRUNE_INTERVAL_S, start_node_agent
 
@@ -172,7 +172,7 @@ def test_node_agent_reclaims_the_segment_of_a_killed_replica(ray_session):
     name = f"{SEGMENT_PREFIX}tkill{uuid.uuid4().hex[:8]}-r0"
     killed = subprocess.Popen(
         [sys.executable, "-c", (
-            "import sys; from distkv.pool import HostPool, PoolLayout, PAGE_BYTES\n"
+            "import sys; from distkv.storage.pool import HostPool, PoolLayout, PAGE_BYTES\n"
             f"pool = HostPool({name!r}, PoolLayout(4, 1, PAGE_BYTES))\n"
             "print('ready', flush=True)\n"
             "sys.stdin.read()\n"

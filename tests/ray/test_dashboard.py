@@ -19,9 +19,9 @@ from pathlib import Path
 import pytest
 import ray
 
-from distkv.harness import Replica
+from distkv.replica.harness import Replica
 from distkv.names import RAY_NAMESPACE, agent_name, shard_name
-from distkv.spec import ClusterOffloadingSpec
+from distkv.replica.specs import ClusterOffloadingSpec
 from ray_actors.directory import get_or_create_shards, kill_shards
 
 CHROMIUM = "/usr/bin/chromium"

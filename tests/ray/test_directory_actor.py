@@ -8,7 +8,7 @@ from typing import NamedTuple
 import pytest
 import ray
 
-from distkv.directory import (
+from distkv.directory.link import (
     HEARTBEAT_INTERVAL_S,
     PROMOTED_FLUSH_DELAY_S,
     DirectoryLink,
@@ -18,10 +18,10 @@ from distkv.directory import (
     shard_of,
     unpack,
 )
-from distkv.directory_answer import decode_answer
-from distkv.directory_state import MAX_CALL_KEYS, MAX_PAYLOAD_BYTES
+from distkv.directory.answer import decode_answer
+from distkv.directory.state import MAX_CALL_KEYS, MAX_PAYLOAD_BYTES
 from distkv.names import NODE_WATCHER_NAME, RAY_NAMESPACE, segment_name, shard_name
-from distkv.query_channel import QueryChannel
+from distkv.directory.query_channel import QueryChannel
 from ray_actors.directory import (
     FOLLOWERS_GROUP,
     MAX_FOLLOWERS,

@@ -8,13 +8,13 @@ import numpy as np
 import pytest
 
 from distkv.abstract import ReqContext
-from distkv.harness import Replica, block_keys
-from distkv.spec import ClusterOffloadingSpec
+from distkv.replica.harness import Replica, block_keys
+from distkv.replica.specs import ClusterOffloadingSpec
 from ray_actors.directory import kill_shards
 
-import distkv.cluster
-import distkv.directory
-import distkv.metrics
+import distkv.replica.cluster_manager
+import distkv.directory.link
+import distkv.observability.metrics
 import ray_actors.directory
 import ray_actors.node_agent
 
@@ -107,9 +107,9 @@ def fail(*args, **kwargs):
 FAILURES = {
     "after the transports": (ray_actors.node_agent, "start_node_agent"),
     "after the node's agent": (ray_actors.directory, "shard_clients"),
-    "after the link": (distkv.directory.DirectoryLink, "wait_synced"),
-    "after the promoter": (distkv.cluster, "ClusterOffloadingManager"),
-    "after the manager": (distkv.metrics, "register"),
+    "after the link": (distkv.directory.link.DirectoryLink, "wait_synced"),
+    "after the promoter": (distkv.replica.cluster_manager, "ClusterOffloadingManager"),
+    "after the manager": (distkv.observability.metrics, "register"),
 }
 
 

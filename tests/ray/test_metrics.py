@@ -16,11 +16,11 @@ import ray
 from prometheus_client.parser import text_string_to_metric_families
 
 from distkv.abstract import ReqContext
-from distkv.harness import Replica, block_keys
-from distkv.metrics import METRICS
+from distkv.replica.harness import Replica, block_keys
+from distkv.observability.metrics import METRICS
 from distkv.names import RAY_NAMESPACE, agent_name
-from distkv.spec import ClusterOffloadingSpec
-from distkv.stats import LookupCounts
+from distkv.replica.specs import ClusterOffloadingSpec
+from distkv.observability.stats import LookupCounts
 from ray_actors.directory import kill_shards
 
 BLOCK_TOKENS = 16

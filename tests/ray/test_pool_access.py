@@ -15,10 +15,10 @@ import ray
 
 pytest.importorskip("nixl")
 
-from distkv.directory import ReplicaInfo, unpack  # noqa: E402
-from distkv.endpoint_seal import EndpointSeal, new_secret  # noqa: E402
-from distkv.harness import Replica, block_keys  # noqa: E402
-from distkv.spec import ClusterOffloadingSpec  # noqa: E402
+from distkv.directory.link import ReplicaInfo, unpack  # noqa: E402
+from distkv.transfer.endpoint_seal import EndpointSeal, new_secret  # noqa: E402
+from distkv.replica.harness import Replica, block_keys  # noqa: E402
+from distkv.replica.specs import ClusterOffloadingSpec  # noqa: E402
 from ray_actors.directory import get_or_create_shards, kill_shards  # noqa: E402
 from ray_actors.namespace_secret import namespace_secret  # noqa: E402
 

@@ -10,10 +10,10 @@ import pytest
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from distkv.directory import ReplicaInfo, pack
-from distkv.directory_answer import decode_answer
-from distkv.directory_state import shard_of
-from distkv.harness import Replica, block_keys
+from distkv.directory.link import ReplicaInfo, pack
+from distkv.directory.answer import decode_answer
+from distkv.directory.state import shard_of
+from distkv.replica.harness import Replica, block_keys
 from distkv.names import RAY_NAMESPACE, agent_name, segment_name
 from ray_actors.directory import get_or_create_shards, kill_shards
 from ray_actors.node_agent import NodeAgent
@@ -161,7 +161,7 @@ def test_pushed_and_queried_replicas_share_both_ways(replicas):
 
 
 def test_auto_follows_a_small_namespace_and_queries_once_it_grows_past_the_bound(replicas, monkeypatch):
-    monkeypatch.setattr("distkv.directory.AUTO_PUSH_MAX_REPLICAS", 1)
+    monkeypatch.setattr("distkv.directory.link.AUTO_PUSH_MAX_REPLICAS", 1)
     salt = uuid.uuid4().hex
     first = replicas(salt, "auto")
     assert not first.manager.link.queried  # alone in its namespace: it follows

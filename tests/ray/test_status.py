@@ -19,11 +19,11 @@ import ray
 from clusters import simulated_cluster
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from distkv import status
+from distkv.observability import status
 from distkv.abstract import ReqContext
-from distkv.harness import Replica, block_keys
+from distkv.replica.harness import Replica, block_keys
 from distkv.names import RAY_NAMESPACE, shard_name
-from distkv.spec import ClusterOffloadingSpec
+from distkv.replica.specs import ClusterOffloadingSpec
 from ray_actors.replica import ReplicaActor
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -5,10 +5,10 @@ from concurrent.futures import Future
 
 import numpy as np
 
-from distkv.directory import Holder, ReplicaInfo
-from distkv.errors import ErrorLog
-from distkv.pool import HostPool, read_rows
-from distkv.promotion import layout_of
+from distkv.directory.link import Holder, ReplicaInfo
+from distkv.observability.errors import ErrorLog
+from distkv.storage.pool import HostPool, read_rows
+from distkv.transfer.promotion import layout_of
 
 
 class FunctionFetch:

@@ -1,9 +1,9 @@
-"""A Directory shard as a `distkv.directory.ShardClient` whose calls the test answers (no Ray)."""
+"""A Directory shard as a `distkv.directory.link.ShardClient` whose calls the test answers (no Ray)."""
 
 from concurrent.futures import Future
 
-from distkv.directory import DirectoryState, unpack
-from distkv.directory_answer import encode_answer
+from distkv.directory.link import DirectoryState, unpack
+from distkv.directory.answer import encode_answer
 
 
 def key(i: int) -> bytes:

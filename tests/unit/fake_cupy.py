@@ -1,4 +1,4 @@
-"""A stand-in for the CuPy calls distkv's CUDA backend makes (distkv/handlers/cuda.py).
+"""A stand-in for the CuPy calls distkv's CUDA backend makes (distkv/storage/handlers/cuda.py).
 
 It models what distkv relies on from CUDA, and no more:
 - hostRegister pins a host range, hostUnregister releases it; a range is registered at

@@ -16,8 +16,8 @@ import psutil
 import pytest
 from directory_fakes import Clock, FakeShard
 
-from distkv.directory_state import DirectoryState
-from distkv.relay import PublishRelay, RelayedShard
+from distkv.directory.state import DirectoryState
+from distkv.directory.relay import PublishRelay, RelayedShard
 
 
 

@@ -14,14 +14,14 @@ import pytest
 from cluster_fakes import FakeDirectory, FakeLink, FunctionFetch, no_fetch
 
 from distkv.abstract import ReqContext
-from distkv.cluster import ClusterOffloadingManager
-from distkv.directory import ReplicaInfo
-from distkv.harness import block_keys
-from distkv.manager import LocalOffloadingManager
+from distkv.replica.cluster_manager import ClusterOffloadingManager
+from distkv.directory.link import ReplicaInfo
+from distkv.replica.harness import block_keys
+from distkv.replica.local_manager import LocalOffloadingManager
 from distkv.names import segment_name
-from distkv.pool import HostPool, PoolLayout
-from distkv.promotion import Promoter
-from distkv.transport import ObjectStoreTransport
+from distkv.storage.pool import HostPool, PoolLayout
+from distkv.transfer.promotion import Promoter
+from distkv.transfer.transport import ObjectStoreTransport
 
 REQUESTS = 300
 ROWS = 512  # of the ~1,700 blocks the workload stores

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 
 from distkv.config import KVIdentity, model_settings, namespace_inputs
-from distkv.spec import LocalOffloadingSpec
+from distkv.replica.specs import LocalOffloadingSpec
 
 
 def seed_namespace(**settings) -> str:

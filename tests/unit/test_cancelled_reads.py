@@ -19,18 +19,18 @@ import pytest
 from cluster_fakes import FakeDirectory, FakeLink
 from test_read_queue import WAIT_S, FakeAgent
 
-import distkv.cluster
-import distkv.promotion
+import distkv.replica.cluster_manager
+import distkv.transfer.promotion
 from distkv.abstract import ReqContext
-from distkv.cluster import OVERDUE_GRACE_S, ClusterOffloadingManager
-from distkv.directory import Holder, ReplicaInfo
-from distkv.manager import LocalOffloadingManager
+from distkv.replica.cluster_manager import OVERDUE_GRACE_S, ClusterOffloadingManager
+from distkv.directory.link import Holder, ReplicaInfo
+from distkv.replica.local_manager import LocalOffloadingManager
 from distkv.names import segment_name
-from distkv.pool import PAGE_BYTES, HostPool, PoolLayout
-from distkv.promotion import Promoter
-from distkv.endpoint_seal import EndpointSeal, new_secret
-from distkv.rdma import PoolEndpoint
-from distkv.transport import NixlTransport
+from distkv.storage.pool import PAGE_BYTES, HostPool, PoolLayout
+from distkv.transfer.promotion import Promoter
+from distkv.transfer.endpoint_seal import EndpointSeal, new_secret
+from distkv.transfer.rdma import PoolEndpoint
+from distkv.transfer.transport import NixlTransport
 
 LAYOUT = PoolLayout(num_rows=1, num_ranks=1, slot_bytes=PAGE_BYTES)
 PROMOTED = b"p" * 32 + b"\0\0\0\0"  # held on another node, promoted over NIXL
@@ -76,8 +76,8 @@ def replica(monkeypatch):
     """(manager, its pool, the stand-in agent, the transport, a hand-moved clock)."""
     now = [1000.0]
     clock = types.SimpleNamespace(monotonic=lambda: now[0], perf_counter=time.perf_counter)
-    monkeypatch.setattr(distkv.promotion, "time", clock)
-    monkeypatch.setattr(distkv.cluster, "time", clock)
+    monkeypatch.setattr(distkv.transfer.promotion, "time", clock)
+    monkeypatch.setattr(distkv.replica.cluster_manager, "time", clock)
     namespace = "tcancel" + uuid.uuid4().hex[:8]
     pool = HostPool(segment_name(namespace, "local"), LAYOUT)
     directory = FakeDirectory()

@@ -15,12 +15,12 @@ import pytest
 from distkv.abstract import ReqContext
 from cluster_fakes import FakeDirectory, FakeLink, PoolFetch
 
-from distkv.cluster import ClusterOffloadingManager
-from distkv.directory import ReplicaInfo
-from distkv.harness import Replica, block_keys
-from distkv.promotion import Promoter
-from distkv.transport import ObjectStoreTransport
-from distkv.spec import LocalOffloadingSpec
+from distkv.replica.cluster_manager import ClusterOffloadingManager
+from distkv.directory.link import ReplicaInfo
+from distkv.replica.harness import Replica, block_keys
+from distkv.transfer.promotion import Promoter
+from distkv.transfer.transport import ObjectStoreTransport
+from distkv.replica.specs import LocalOffloadingSpec
 
 BLOCK_TOKENS = 16
 PAGE_BYTES = 16 << 10

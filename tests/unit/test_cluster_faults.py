@@ -7,13 +7,13 @@ the test makes, and the clock is the test's where deadlines matter.
 
 import pytest
 
-import distkv.cluster
+import distkv.replica.cluster_manager
 from cluster_fakes import FakeDirectory, FakeLink
 from distkv.abstract import LookupResult, ReqContext
-from distkv.cluster import OVERDUE_GRACE_S, ClusterOffloadingManager
-from distkv.directory import ReplicaInfo
-from distkv.harness import block_keys
-from distkv.manager import LocalOffloadingManager
+from distkv.replica.cluster_manager import OVERDUE_GRACE_S, ClusterOffloadingManager
+from distkv.directory.link import ReplicaInfo
+from distkv.replica.harness import block_keys
+from distkv.replica.local_manager import LocalOffloadingManager
 from test_cluster import BLOCK_TOKENS, prompt, replicas  # noqa: F401 (a fixture)
 
 TIMEOUT_S = 5.0
@@ -44,7 +44,7 @@ class SilentPromoter:
 
 
 class FakeTime:
-    """distkv.cluster's `time` module, with a clock that moves only when the test says."""
+    """distkv.replica.cluster_manager's `time` module, with a clock that moves only when the test says."""
 
     def __init__(self):
         self.now = 1000.0
@@ -70,7 +70,7 @@ def held_elsewhere(directory, keys, epoch=0):
 @pytest.fixture
 def clock(monkeypatch):
     fake = FakeTime()
-    monkeypatch.setattr(distkv.cluster, "time", fake)
+    monkeypatch.setattr(distkv.replica.cluster_manager, "time", fake)
     return fake
 
 

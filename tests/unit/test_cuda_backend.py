@@ -17,9 +17,9 @@ from fake_cupy import MEMCPY_DEVICE_TO_HOST, MEMCPY_HOST_TO_DEVICE, CudaError, F
 from handler_jobs import keys, run
 
 from distkv.abstract import CanonicalKVCacheRef, CanonicalKVCaches, CanonicalKVCacheTensor, GPULoadStoreSpec
-from distkv.handlers import CopyPlanner, CpuCopyBackend, CudaCopyBackend, LoadHandler, PinnedRegion, SlotLayout, StoreHandler
+from distkv.storage.handlers import CopyPlanner, CpuCopyBackend, CudaCopyBackend, LoadHandler, PinnedRegion, SlotLayout, StoreHandler
 from distkv.names import segment_name
-from distkv.pool import PAGE_BYTES, HostPool, PoolLayout, PoolLoadStoreSpec
+from distkv.storage.pool import PAGE_BYTES, HostPool, PoolLayout, PoolLoadStoreSpec
 
 DEVICE = 3  # not 0, so that a copy or event on torch's default device shows
 RANK = 1  # not 0, so that the rank's offset in the pool counts

@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from distkv.demo.workload import Request, WorkloadConfig, generate, oracle_hit_tokens
-from distkv.harness import block_keys
+from distkv.replica.harness import block_keys
 
 BLOCK_TOKENS = 16
 

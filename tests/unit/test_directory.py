@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from directory_fakes import Clock
 
-from distkv.directory import (
+from distkv.directory.link import (
     Cursor,
     DirectoryState,
     Holder,
@@ -15,9 +15,7 @@ from distkv.directory import (
     ShardView,
     shard_of,
 )
-from distkv import directory_state
-
-
+from distkv.directory import state as directory_state
 def key(i: int) -> bytes:
     return i.to_bytes(8, "big") * 4 + b"\0\0\0\0"
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from directory_fakes import key
 
-from distkv.directory_answer import (
+from distkv.directory.answer import (
     ANSWER_FORMAT,
     MAX_ANSWER_BYTES,
     MAX_ENDPOINT_BYTES,
@@ -17,7 +17,7 @@ from distkv.directory_answer import (
     decode_answer,
     encode_answer,
 )
-from distkv.directory_state import DirectoryState, ReplicaInfo
+from distkv.directory.state import DirectoryState, ReplicaInfo
 
 ENDPOINT = b"\x01a sealed endpoint\xff" * 40
 A = ReplicaInfo("a", "node-1", "distkv-ns-a", 64, 2, 4096, cache_epoch=3, endpoint=ENDPOINT)

@@ -2,7 +2,7 @@
 
 import pytest
 
-from distkv.directory import ChangeLog, Cursor
+from distkv.directory.link import ChangeLog, Cursor
 
 
 def entry(replica_id: str, stored: int = 1, removed: int = 0):

@@ -5,8 +5,8 @@ import math
 import pytest
 from directory_fakes import FakeShard, key
 
-from distkv.directory import POLL_TIMEOUT_S, DirectoryState, Follower, Holder, ReplicaInfo, ShardView
-from distkv.errors import ErrorLog
+from distkv.directory.link import POLL_TIMEOUT_S, DirectoryState, Follower, Holder, ReplicaInfo, ShardView
+from distkv.observability.errors import ErrorLog
 
 
 def info(replica_id: str) -> ReplicaInfo:
@@ -123,9 +123,9 @@ def test_a_failed_first_poll_leaves_it_unsynced(rig):
 
 
 def test_a_follower_far_behind_catches_up_over_bounded_answers(monkeypatch):
-    import distkv.directory_state
+    import distkv.directory.state
 
-    monkeypatch.setattr(distkv.directory_state, "MAX_ANSWER_KEYS", 4)
+    monkeypatch.setattr(distkv.directory.state, "MAX_ANSWER_KEYS", 4)
     rig = Rig()
     rig.step()
     rig.shard.answer()

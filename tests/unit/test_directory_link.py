@@ -12,8 +12,8 @@ import time
 import pytest
 from directory_fakes import FakeShard, key
 
-import distkv.directory as directory
-from distkv.directory import DirectoryLink, DirectoryState, ReplicaInfo
+import distkv.directory.link as directory
+from distkv.directory.link import DirectoryLink, DirectoryState, ReplicaInfo
 
 
 class Stepper:

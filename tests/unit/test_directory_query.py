@@ -14,11 +14,11 @@ from directory_fakes import FakeShard, key
 from test_cluster_faults import SilentPromoter
 from test_directory_link import Stepper
 
-import distkv.directory as directory
+import distkv.directory.link as directory
 from distkv.abstract import LookupResult, ReqContext
-from distkv.cluster import ClusterOffloadingManager
-from distkv.directory import DirectoryLink, Holder, ReplicaInfo, shard_of
-from distkv.manager import LocalOffloadingManager
+from distkv.replica.cluster_manager import ClusterOffloadingManager
+from distkv.directory.link import DirectoryLink, Holder, ReplicaInfo, shard_of
+from distkv.replica.local_manager import LocalOffloadingManager
 
 OTHER = ReplicaInfo("b", "node-2", "distkv-ns-b", 64, 1, 4096)
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from distkv.endpoint_seal import SECRET_BYTES, EndpointSeal, new_secret
+from distkv.transfer.endpoint_seal import SECRET_BYTES, EndpointSeal, new_secret
 from distkv.names import segment_name
-from distkv.rdma import PoolEndpoint
+from distkv.transfer.rdma import PoolEndpoint
 
 NAMESPACE = "0123456789abcdef"
 POOL = segment_name(NAMESPACE, "replica_a")

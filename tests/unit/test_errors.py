@@ -2,7 +2,7 @@
 
 import pytest
 
-from distkv.errors import MAX_ERROR_MESSAGE, ErrorLog, merge_errors
+from distkv.observability.errors import MAX_ERROR_MESSAGE, ErrorLog, merge_errors
 
 
 def test_error_log_counts_by_kind_and_keeps_the_last_few():

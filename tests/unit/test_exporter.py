@@ -14,14 +14,14 @@ from dataclasses import asdict
 import numpy as np
 import pytest
 
-from distkv import metrics
+from distkv.observability import metrics
 from distkv.abstract import ReqContext
 from cluster_fakes import FakeDirectory, FakeLink, FunctionFetch
 
-from distkv.cluster import ClusterOffloadingManager
-from distkv.directory import DirectoryState, ReplicaInfo
-from distkv.harness import Replica, block_keys
-from distkv.metrics import (
+from distkv.replica.cluster_manager import ClusterOffloadingManager
+from distkv.directory.link import DirectoryState, ReplicaInfo
+from distkv.replica.harness import Replica, block_keys
+from distkv.observability.metrics import (
     METRICS,
     DirectorySource,
     Exporter,
@@ -29,11 +29,11 @@ from distkv.metrics import (
     NodeAgentSource,
     ReplicaSource,
 )
-from distkv.pool import ALL_SUB_BLOCKS, HostPool, Sealed, read_rows
-from distkv.promotion import Promoter, layout_of
-from distkv.transport import ObjectStoreTransport
-from distkv.spec import LocalOffloadingSpec
-from distkv.stats import BlockCounts, LookupCounts, PoolUsage
+from distkv.storage.pool import ALL_SUB_BLOCKS, HostPool, Sealed, read_rows
+from distkv.transfer.promotion import Promoter, layout_of
+from distkv.transfer.transport import ObjectStoreTransport
+from distkv.replica.specs import LocalOffloadingSpec
+from distkv.observability.stats import BlockCounts, LookupCounts, PoolUsage
 
 BLOCK_TOKENS = 16
 PAGE_BYTES = 16 << 10

@@ -24,11 +24,11 @@ from distkv.abstract import (
     ReqContext,
 )
 from distkv.config import DistkvConfig
-from distkv.directory import DirectoryState, ReplicaInfo
-from distkv.handlers import make_handlers
-from distkv.manager import LocalOffloadingManager
-from distkv.pool import HostPool, PoolLayout, PoolLoadStoreSpec
-from distkv.spec import LocalOffloadingSpec
+from distkv.directory.link import DirectoryState, ReplicaInfo
+from distkv.storage.handlers import make_handlers
+from distkv.replica.local_manager import LocalOffloadingManager
+from distkv.storage.pool import HostPool, PoolLayout, PoolLoadStoreSpec
+from distkv.replica.specs import LocalOffloadingSpec
 
 FUZZ = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 KNOWN_KEYS = [f.name for f in fields(DistkvConfig)] + ["spec_name", "spec_module_path", "block_size"]
@@ -256,9 +256,9 @@ def adapter_manager():
     holding four stored blocks; (manager, their keys)."""
     from cluster_fakes import FakeDirectory, FakeLink, FunctionFetch, no_fetch
 
-    from distkv.cluster import ClusterOffloadingManager
-    from distkv.promotion import Promoter
-    from distkv.transport import ObjectStoreTransport
+    from distkv.replica.cluster_manager import ClusterOffloadingManager
+    from distkv.transfer.promotion import Promoter
+    from distkv.transfer.transport import ObjectStoreTransport
     from distkv.vllm import DistkvOffloadingManager
 
     layout = PoolLayout(8, 1, PAGE)

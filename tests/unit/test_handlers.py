@@ -18,7 +18,7 @@ from distkv.abstract import (
     GPULoadStoreSpec,
     OffloadingWorker,
 )
-from distkv.handlers import (
+from distkv.storage.handlers import (
     CopyPlanner,
     CpuCopyBackend,
     LoadHandler,
@@ -27,7 +27,7 @@ from distkv.handlers import (
     make_handlers,
 )
 from distkv.names import segment_name
-from distkv.pool import (
+from distkv.storage.pool import (
     PAGE_BYTES,
     HostPool,
     PoolLayout,

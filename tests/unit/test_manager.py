@@ -8,8 +8,8 @@ from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from distkv.abstract import OffloadingEvent, OffloadingManager, ReqContext
-from distkv.manager import LocalOffloadingManager
-from distkv.pool import MAX_KEY_BYTES, PoolLoadStoreSpec
+from distkv.replica.local_manager import LocalOffloadingManager
+from distkv.storage.pool import MAX_KEY_BYTES, PoolLoadStoreSpec
 
 POLICIES = ["lru", "arc"]
 CTX = ReqContext("req-0")
@@ -148,7 +148,7 @@ def test_generations_never_repeat_in_a_segment_after_a_clock_step_and_a_re_attac
     it again, and the wall clock may have stepped back meanwhile (NTP, a restored VM): no
     generation sealed or handed out before may be handed out again, or a reader of an old
     (key, generation) would take a row sealed anew under it (the slot protocol's premise)."""
-    from distkv.spec import LocalOffloadingSpec
+    from distkv.replica.specs import LocalOffloadingSpec
 
     wall_clock = [1_750_000_000_000_000_000]
     monkeypatch.setattr(time, "time_ns", lambda: wall_clock[0])

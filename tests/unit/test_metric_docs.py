@@ -1,4 +1,4 @@
-"""docs/metrics.md, the Grafana dashboard and the Prometheus configuration, against distkv.metrics.METRICS."""
+"""docs/metrics.md, the Grafana dashboard and the Prometheus configuration, against distkv.observability.metrics.METRICS."""
 
 import json
 import re
@@ -6,8 +6,8 @@ from pathlib import Path
 
 import yaml
 
-from distkv.errors import ERROR_KINDS
-from distkv.metrics import HISTOGRAM, METRICS
+from distkv.observability.errors import ERROR_KINDS
+from distkv.observability.metrics import HISTOGRAM, METRICS
 
 ROOT = Path(__file__).resolve().parents[2]
 DASHBOARD = ROOT / "cluster" / "grafana" / "distkv-dashboard.json"
@@ -59,7 +59,7 @@ def test_dashboard_queries_use_exported_names_and_their_tags():
         assert names, expr
         tags = set()
         for name in names:
-            assert name in series, f"{name} (in {expr!r}) is no series of distkv.metrics.METRICS"
+            assert name in series, f"{name} (in {expr!r}) is no series of distkv.observability.metrics.METRICS"
             used.add(series[name].name)
             tags |= set(series[name].tag_keys)
         labels = re.findall(r"(\w+)\s*(?:=~|!~|!=|=)\s*\"", expr)

@@ -3,8 +3,8 @@ shard dropping the holders on them (issue 31; no Ray)."""
 
 from directory_fakes import key
 
-from distkv.directory_state import DirectoryState, ReplicaInfo
-from distkv.node_table import DeadNodes
+from distkv.directory.state import DirectoryState, ReplicaInfo
+from distkv.directory.node_table import DeadNodes
 
 
 def node(node_id: str, alive: bool) -> dict:

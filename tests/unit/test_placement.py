@@ -12,12 +12,12 @@ import pytest
 from directory_fakes import FakeShard
 
 from distkv.abstract import ReqContext
-from distkv.cluster import ClusterOffloadingManager
-from distkv.directory import DirectoryLink, DirectoryState, ReplicaInfo, ShardView, shard_of, unpack
-from distkv.directory_state import prefix_root
-from distkv.errors import ErrorLog
-from distkv.harness import block_keys
-from distkv.manager import LocalOffloadingManager
+from distkv.replica.cluster_manager import ClusterOffloadingManager
+from distkv.directory.link import DirectoryLink, DirectoryState, ReplicaInfo, ShardView, shard_of, unpack
+from distkv.directory.state import prefix_root
+from distkv.observability.errors import ErrorLog
+from distkv.replica.harness import block_keys
+from distkv.replica.local_manager import LocalOffloadingManager
 
 NUM_SHARDS = 4
 # a hybrid model: group 0 in chunks of 32 tokens, group 1 in chunks of 16

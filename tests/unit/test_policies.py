@@ -2,7 +2,7 @@ from collections import OrderedDict
 
 import pytest
 
-from distkv.policies import ARCPolicy, CachePolicy, LRUPolicy, make_policy
+from distkv.replica.policies import ARCPolicy, CachePolicy, LRUPolicy, make_policy
 
 POLICIES = ["lru", "arc"]
 

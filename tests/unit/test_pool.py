@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from distkv.names import segment_name
-from distkv.pool import (
+from distkv.storage.pool import (
     MAX_KEY_BYTES,
     PAGE_BYTES,
     HostPool,
@@ -212,7 +212,7 @@ def test_segment_of_killed_process_is_reclaimed(name):
     child = textwrap.dedent(
         f"""
         import sys, time
-        from distkv.pool import HostPool, PoolLayout, PAGE_BYTES
+        from distkv.storage.pool import HostPool, PoolLayout, PAGE_BYTES
         p = HostPool({name!r}, PoolLayout(4, 1, PAGE_BYTES))
         print("ready", flush=True)
         time.sleep(60)

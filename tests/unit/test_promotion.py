@@ -11,13 +11,13 @@ from concurrent.futures import Future
 import numpy as np
 import pytest
 
-import distkv.pool
-import distkv.promotion as promotion
-from distkv.directory import Holder, ReplicaInfo
+import distkv.storage.pool
+import distkv.transfer.promotion as promotion
+from distkv.directory.link import Holder, ReplicaInfo
 from distkv.names import segment_name
-from distkv.pool import HostPool, PoolLayout, read_rows
-from distkv.promotion import Promoter, Promotion
-from distkv.transport import ObjectStoreTransport
+from distkv.storage.pool import HostPool, PoolLayout, read_rows
+from distkv.transfer.promotion import Promoter, Promotion
+from distkv.transfer.transport import ObjectStoreTransport
 
 LAYOUT_FIELDS = (8, 2, 4096)  # rows, ranks, slot bytes
 LAYOUT = PoolLayout(*LAYOUT_FIELDS)
@@ -148,7 +148,7 @@ def test_a_holder_pool_that_cannot_be_opened_fails_only_its_promotions(world, mo
             raise error
         return HostPool(name, *args, **kwargs)
 
-    monkeypatch.setattr(distkv.pool, "HostPool", host_pool)  # what PoolReaders opens with
+    monkeypatch.setattr(distkv.storage.pool, "HostPool", host_pool)  # what PoolReaders opens with
     promoter.submit(same.promotion(0))
     promoter.submit(same.promotion(1))
     assert ended(promoter, 2) == {key_of(0): False, key_of(1): False}

@@ -9,10 +9,10 @@ from concurrent.futures import Future
 import pytest
 from directory_fakes import Clock
 
-from distkv.directory_state import MAX_CALL_KEYS
-from distkv.pool import MAX_KEY_BYTES
-from distkv import query_channel
-from distkv.query_channel import (
+from distkv.directory.state import MAX_CALL_KEYS
+from distkv.storage.pool import MAX_KEY_BYTES
+from distkv.directory import query_channel
+from distkv.directory.query_channel import (
     _CLIENT_PROOF,
     _SERVER_PROOF,
     MAX_RECONNECT_DELAY_S,

@@ -16,7 +16,7 @@ import pytest
 pytest.importorskip("nixl")
 
 from distkv.names import segment_name  # noqa: E402
-from distkv.pool import (  # noqa: E402
+from distkv.storage.pool import (  # noqa: E402
     HEADER_BYTES,
     PAGE_BYTES,
     HostPool,
@@ -24,10 +24,10 @@ from distkv.pool import (  # noqa: E402
     check_landed,
     reclaim_stale_segments,
 )
-from distkv.directory import ReplicaInfo  # noqa: E402
-from distkv.endpoint_seal import EndpointSeal, new_secret  # noqa: E402
-from distkv.rdma import NixlAgent, RdmaUnavailable, load_nixl  # noqa: E402
-from distkv.transport import NixlTransport, NodeTransports, RowRead, Transfer, Transport  # noqa: E402
+from distkv.directory.link import ReplicaInfo  # noqa: E402
+from distkv.transfer.endpoint_seal import EndpointSeal, new_secret  # noqa: E402
+from distkv.transfer.rdma import NixlAgent, RdmaUnavailable, load_nixl  # noqa: E402
+from distkv.transfer.transport import NixlTransport, NodeTransports, RowRead, Transfer, Transport  # noqa: E402
 
 LAYOUT = PoolLayout(num_rows=8, num_ranks=2, slot_bytes=2 * PAGE_BYTES)
 KEY = b"rdma-block\x00\x00\x00\x00"
@@ -238,7 +238,7 @@ def test_starting_an_agent_writes_nothing_to_stdout():
     import subprocess
 
     done = subprocess.run(
-        [sys.executable, "-c", "from distkv.rdma import NixlAgent; NixlAgent().close()"],
+        [sys.executable, "-c", "from distkv.transfer.rdma import NixlAgent; NixlAgent().close()"],
         capture_output=True, text=True, timeout=120, check=True,
     )
     assert done.stdout == ""

@@ -10,7 +10,7 @@ import time
 import numpy as np
 import pytest
 
-from distkv.rdma import PoolEndpoint, QueuedRead, ReadQueue
+from distkv.transfer.rdma import PoolEndpoint, QueuedRead, ReadQueue
 
 REMOTE = PoolEndpoint("holder", b"", 0, 1 << 20)
 WAIT_S = 30  # generous: nothing here takes more than milliseconds

@@ -6,11 +6,11 @@ from concurrent.futures import Future
 import pytest
 from directory_fakes import FakeShard, key
 
-from distkv import relay as relay_module
-from distkv.directory import FLUSH_INTERVAL_S, DirectoryLink, Publisher, ReplicaInfo, pack, unpack
-from distkv.directory_state import DirectoryState, publish_interval
-from distkv.errors import ErrorLog
-from distkv.relay import PublishRelay, RelayBatch, RelayedShard
+from distkv.directory import relay as relay_module
+from distkv.directory.link import FLUSH_INTERVAL_S, DirectoryLink, Publisher, ReplicaInfo, pack, unpack
+from distkv.directory.state import DirectoryState, publish_interval
+from distkv.observability.errors import ErrorLog
+from distkv.directory.relay import PublishRelay, RelayBatch, RelayedShard
 
 
 def info(replica_id: str) -> ReplicaInfo:
@@ -83,7 +83,7 @@ def test_the_publishes_of_a_nodes_replicas_go_to_the_shard_in_one_call(node):
 
 
 def test_one_call_in_flight_per_shard_and_the_next_waits_the_shards_interval(monkeypatch):
-    monkeypatch.setattr("distkv.directory_state.SHARD_PUBLISHES_PER_S", 4)  # 2 replicas: 0.5 s apart
+    monkeypatch.setattr("distkv.directory.state.SHARD_PUBLISHES_PER_S", 4)  # 2 replicas: 0.5 s apart
     shard = FakeShard()
     relay = PublishRelay("ns", [shard])
     for r in "ab":

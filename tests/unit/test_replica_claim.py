@@ -9,9 +9,9 @@ import uuid
 import pytest
 import ray
 
-from distkv.manager import LocalOffloadingManager
-from distkv.pool import HostPool
-from distkv.spec import LocalOffloadingSpec, join_cluster
+from distkv.replica.local_manager import LocalOffloadingManager
+from distkv.storage.pool import HostPool
+from distkv.replica.specs import LocalOffloadingSpec, join_cluster
 
 
 @pytest.fixture
@@ -50,7 +50,7 @@ def test_a_second_replica_of_the_same_engine_id_fails_at_start(plan, monkeypatch
 def test_a_replica_killed_and_restarted_under_its_name_claims_it_again(plan):
     owner = subprocess.Popen(
         [sys.executable, "-c", (
-            "import sys; from distkv.pool import HostPool, PoolLayout\n"
+            "import sys; from distkv.storage.pool import HostPool, PoolLayout\n"
             f"pool = HostPool({plan.pool_name!r}, PoolLayout{(plan.layout.num_rows, plan.layout.num_ranks, plan.layout.slot_bytes)!r})\n"
             "print(pool.claim(), flush=True)\n"
             "sys.stdin.read()\n"

@@ -13,10 +13,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from distkv.config import KVIdentity, cache_namespace
-from distkv.directory import check_namespace
+from distkv.directory.link import check_namespace
 from distkv.names import check_pool_namespace, replica_name, segment_name
-from distkv.pool import HostPool, PoolLayout
-from distkv.spec import LocalOffloadingSpec
+from distkv.storage.pool import HostPool, PoolLayout
+from distkv.replica.specs import LocalOffloadingSpec
 
 ROOT = Path(__file__).resolve().parents[2]
 NAME_CHARS = st.text(alphabet="abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_.", min_size=1, max_size=12)

@@ -15,11 +15,11 @@ import uuid
 import numpy as np
 import pytest
 
-import distkv.pool
-import distkv.segments
+import distkv.storage.pool
+import distkv.storage.segments
 from distkv.names import segment_name
-from distkv.pool import PAGE_BYTES, HostPool, PoolLayout, PoolReaders
-from distkv.segments import UntrustedSegment, reclaim_stale_segments
+from distkv.storage.pool import PAGE_BYTES, HostPool, PoolLayout, PoolReaders
+from distkv.storage.segments import UntrustedSegment, reclaim_stale_segments
 
 LAYOUT = PoolLayout(num_rows=2, num_ranks=1, slot_bytes=PAGE_BYTES)
 KEY = b"k" * 32 + b"\0\0\0\0"
@@ -284,7 +284,7 @@ def test_a_clean_exit_leaves_no_segment_whatever_another_process_does_at_that_mo
     while True:
         owner = HostPool(name, LAYOUT)
         stepped = Stepped(at, owner.close)
-        for module in (distkv.pool, distkv.segments):
+        for module in (distkv.storage.pool, distkv.storage.segments):
             for real in (os, fcntl, mmap):
                 if getattr(module, real.__name__, None) is real:
                     monkeypatch.setattr(module, real.__name__, stepped.module(real))

@@ -33,13 +33,13 @@ from distkv.abstract import (
     ReqContext,
     make_offload_key,
 )
-from distkv.handlers import make_handlers
-from distkv.manager import LocalOffloadingManager
+from distkv.storage.handlers import make_handlers
+from distkv.replica.local_manager import LocalOffloadingManager
 from distkv.names import segment_name
-from distkv.pool import HEADER_BYTES, PAGE_BYTES, HostPool, PoolLayout, PoolLoadStoreSpec, check_landed, read_rows
-from distkv.directory import ReplicaInfo
-from distkv.tier_copies import load_row
-from distkv.transport import ObjectStoreTransport, RowRead
+from distkv.storage.pool import HEADER_BYTES, PAGE_BYTES, HostPool, PoolLayout, PoolLoadStoreSpec, check_landed, read_rows
+from distkv.directory.link import ReplicaInfo
+from distkv.storage.tier_copies import load_row
+from distkv.transfer.transport import ObjectStoreTransport, RowRead
 
 SLOT_BYTES = PAGE_BYTES
 HALF = SLOT_BYTES // 2
@@ -255,7 +255,7 @@ class OneSidedRead:
 
 class TierLoad:
     """distkv's vLLM tier loading the block into a chunk of vLLM's primary tier
-    (`distkv.tier_copies.load_row`): the holder's own mapping of its pool."""
+    (`distkv.storage.tier_copies.load_row`): the holder's own mapping of its pool."""
 
     def __init__(self, row: Row) -> None:
         self.pool = traced(HostPool(row.name, LAYOUT, create=False))

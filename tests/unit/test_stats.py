@@ -5,7 +5,7 @@ import pickle
 
 import pytest
 
-from distkv.stats import (
+from distkv.observability.stats import (
     STATS_VERSION,
     BlockCounts,
     LookupCounts,

@@ -3,8 +3,8 @@
 import argparse
 import socket
 
-from distkv.stats import BlockCounts, LookupCounts, PoolUsage, PromotionCounts, ReplicaStats
-from distkv.status import format_status, merge_replicas, recent_errors, run
+from distkv.observability.stats import BlockCounts, LookupCounts, PoolUsage, PromotionCounts, ReplicaStats
+from distkv.observability.status import format_status, merge_replicas, recent_errors, run
 
 
 def report(t: float, local_hit: int = 0, miss: int = 0, errors=()) -> dict:

@@ -1,4 +1,4 @@
-"""ClusterTier (distkv.tier): distkv as a secondary tier of a primary tier's chunks, without
+"""ClusterTier (distkv.replica.tier): distkv as a secondary tier of a primary tier's chunks, without
 vLLM or Ray.
 
 Each replica is a ClusterTier over a ClusterOffloadingManager, an in-memory Directory
@@ -16,15 +16,15 @@ import pytest
 from cluster_fakes import FakeDirectory, FakeLink, PoolFetch
 
 from distkv.abstract import LookupResult, ReqContext
-from distkv.cluster import ClusterOffloadingManager
-from distkv.directory import ReplicaInfo
-from distkv.manager import LocalOffloadingManager
+from distkv.replica.cluster_manager import ClusterOffloadingManager
+from distkv.directory.link import ReplicaInfo
+from distkv.replica.local_manager import LocalOffloadingManager
 from distkv.names import segment_name
-from distkv.pool import SHM_DIR, HostPool, PoolLayout
-from distkv.promotion import Promoter
-from distkv.tier import ClusterTier
-from distkv.tier_copies import ChunkCopier
-from distkv.transport import ObjectStoreTransport
+from distkv.storage.pool import SHM_DIR, HostPool, PoolLayout
+from distkv.transfer.promotion import Promoter
+from distkv.replica.tier import ClusterTier
+from distkv.storage.tier_copies import ChunkCopier
+from distkv.transfer.transport import ObjectStoreTransport
 
 CHUNK_BYTES = 16 << 10
 NUM_CHUNKS = 32

@@ -9,12 +9,12 @@ import uuid
 
 import pytest
 
-from distkv.directory import ReplicaInfo
-from distkv.endpoint_seal import EndpointSeal, new_secret
+from distkv.directory.link import ReplicaInfo
+from distkv.transfer.endpoint_seal import EndpointSeal, new_secret
 from distkv.names import segment_name
-from distkv.pool import PAGE_BYTES, HostPool, PoolLayout
-from distkv.spec import node_transports
-from distkv.transport import NodeTransports, RowRead, Transfer, Transport
+from distkv.storage.pool import PAGE_BYTES, HostPool, PoolLayout
+from distkv.replica.specs import node_transports
+from distkv.transfer.transport import NodeTransports, RowRead, Transfer, Transport
 
 ENDPOINT = b"a sealed endpoint"
 SEAL = EndpointSeal("ns", new_secret(), "")
@@ -75,8 +75,8 @@ def complete(transfer: Transfer, clock: list[float], seconds: float) -> None:
 @pytest.fixture
 def clock(monkeypatch):
     now = [1000.0]
-    monkeypatch.setattr("distkv.transport.time.perf_counter", lambda: now[0])
-    monkeypatch.setattr("distkv.transport.time.monotonic", lambda: now[0])
+    monkeypatch.setattr("distkv.transfer.transport.time.perf_counter", lambda: now[0])
+    monkeypatch.setattr("distkv.transfer.transport.time.monotonic", lambda: now[0])
     return now
 
 
@@ -205,14 +205,14 @@ def test_a_nixl_agent_that_does_not_start_stops_a_replica_that_asked_for_it(pool
         def nixl_agent(self, name, config):
             raise RuntimeError("no UCX backend")
 
-    monkeypatch.setattr("distkv.rdma.load_nixl", NoUcx)
+    monkeypatch.setattr("distkv.transfer.rdma.load_nixl", NoUcx)
     with pytest.raises(ValueError, match=r"'transport'='nixl'.*did not start \(no UCX backend\).*'object_store'"):
         node_transports("nixl", pool, FakeTransport("object_store"), SEAL)
 
 
 def test_nixl_missing_leaves_auto_on_the_object_store_and_says_why_once(pool, monkeypatch, caplog):
     monkeypatch.setitem(sys.modules, "nixl", None)
-    with caplog.at_level(logging.WARNING, logger="distkv.spec"):
+    with caplog.at_level(logging.WARNING, logger="distkv.replica.specs"):
         chooser = node_transports("auto", pool, FakeTransport("object_store"), SEAL)
     assert chooser.endpoint is None
     assert [r.getMessage() for r in caplog.records if "object store only" in r.getMessage()] == [

@@ -19,7 +19,7 @@ def run(code: str) -> subprocess.CompletedProcess:
 
 def test_distkv_imports_without_vllm():
     result = run(
-        "import distkv, distkv.spec, distkv.cluster, distkv.handlers, distkv.config\n"
+        "import distkv, distkv.replica.specs, distkv.replica.cluster_manager, distkv.storage.handlers, distkv.config\n"
         "assert not any(m == 'vllm' or m.startswith('vllm.') for m in sys.modules)\n"
     )
     assert result.returncode == 0, result.stderr

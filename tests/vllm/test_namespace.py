@@ -24,7 +24,7 @@ from replica_engine import DISTKV_EXTRA, GPU_BLOCK_TOKENS, EngineReplica, kv_cac
 
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.config import build_offloading_config  # noqa: E402
 
-from distkv.directory import unpack  # noqa: E402
+from distkv.directory.link import unpack  # noqa: E402
 from distkv import vllm as distkv_vllm  # noqa: E402
 from ray_actors.directory import get_or_create_shards, kill_shards  # noqa: E402
 
@@ -127,7 +127,7 @@ def serve_prefix(replica: EngineReplica, req_id: str) -> tuple[list[int | None],
 @pytest.mark.parametrize("base", list(BASES))
 def test_a_replica_of_the_same_configuration_shares(replicas, base, caplog):
     a = replicas.holder(base)
-    with caplog.at_level(logging.INFO, logger="distkv.spec"):
+    with caplog.at_level(logging.INFO, logger="distkv.replica.specs"):
         c = replicas.make(**BASES[base])
     assert c.manager.cluster.link.namespace == a.manager.cluster.link.namespace
     answers, (loaded, exact) = serve_prefix(c, f"c-{base}")

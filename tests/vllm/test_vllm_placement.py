@@ -20,9 +20,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler import ( 
 from vllm.v1.kv_offload.base import ReqContext, RequestOffloadingContext, make_offload_key  # noqa: E402
 from vllm.v1.kv_offload.config import OffloadingCacheConfig, OffloadingGroupConfig  # noqa: E402
 
-from distkv.cluster import ClusterOffloadingManager  # noqa: E402
-from distkv.directory import DirectoryLink, ReplicaInfo, shard_of  # noqa: E402
-from distkv.manager import LocalOffloadingManager  # noqa: E402
+from distkv.replica.cluster_manager import ClusterOffloadingManager  # noqa: E402
+from distkv.directory.link import DirectoryLink, ReplicaInfo, shard_of  # noqa: E402
+from distkv.replica.local_manager import LocalOffloadingManager  # noqa: E402
 from distkv.vllm import DistkvOffloadingManager, first_chunk, offload_key_positions, request_root  # noqa: E402
 
 TOKENS_PER_HASH = 4

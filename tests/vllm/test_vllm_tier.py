@@ -23,7 +23,7 @@ from vllm.v1.kv_offload.base import LookupResult, ReqContext  # noqa: E402
 from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec  # noqa: E402
 
 from distkv.names import SEGMENT_PREFIX  # noqa: E402
-from distkv.stats import ReplicaStats  # noqa: E402
+from distkv.observability.stats import ReplicaStats  # noqa: E402
 from ray_actors.directory import kill_shards  # noqa: E402
 
 PREFIX_TOKENS = 4096

@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from distkv.pool import HostPool
+from distkv.storage.pool import HostPool
 
 MEM_TYPE = "DRAM"
 

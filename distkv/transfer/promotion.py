@@ -3,7 +3,7 @@
 The manager reserves a local row for the block (an in-flight store, so lookups say
 "retry" meanwhile) and submits a Promotion. The Promoter's thread reads the holder's
 slots straight from its shared memory when it is on this node, and through a Transport
-(distkv.transport) from another node, into the reserved row, and checks every slot
+(distkv.transfer.transport) from another node, into the reserved row, and checks every slot
 against the checksum in the holder's header. The manager collects the
 outcome on its own thread and completes (or fails) the store. A block that does not
 check out is a miss, never data.
@@ -23,12 +23,12 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from distkv.abstract import OffloadKey
-from distkv.directory import Holder, ReplicaInfo
-from distkv.errors import ErrorLog
-from distkv.metrics import MAX_OBSERVATIONS
+from distkv.directory.link import Holder, ReplicaInfo
+from distkv.observability.errors import ErrorLog
+from distkv.observability.metrics import MAX_OBSERVATIONS
 from distkv.names import check_pool_namespace
-from distkv.pool import PRUNE_INTERVAL_S, HostPool, PoolLayout, PoolReaders, Sealed
-from distkv.transport import RowRead, Transfer, Transport
+from distkv.storage.pool import PRUNE_INTERVAL_S, HostPool, PoolLayout, PoolReaders, Sealed
+from distkv.transfer.transport import RowRead, Transfer, Transport
 
 logger = logging.getLogger(__name__)
 

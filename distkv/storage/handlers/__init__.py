@@ -5,11 +5,11 @@ from __future__ import annotations
 from typing import Literal
 
 from distkv.abstract import CanonicalKVCaches, GPULoadStoreSpec, LoadStoreSpec, OffloadingHandler
-from distkv.handlers.base import CopyBackend, CopyTicket, LoadHandler, PoolTransferHandler, StoreHandler
-from distkv.handlers.cpu import CpuCopyBackend
-from distkv.handlers.cuda import CudaCopyBackend, PinnedRegion
-from distkv.handlers.layout import CopyPlan, CopyPlanner, RefPlacement, SlotLayout
-from distkv.pool import HostPool, PoolLoadStoreSpec
+from distkv.storage.handlers.base import CopyBackend, CopyTicket, LoadHandler, PoolTransferHandler, StoreHandler
+from distkv.storage.handlers.cpu import CpuCopyBackend
+from distkv.storage.handlers.cuda import CudaCopyBackend, PinnedRegion
+from distkv.storage.handlers.layout import CopyPlan, CopyPlanner, RefPlacement, SlotLayout
+from distkv.storage.pool import HostPool, PoolLoadStoreSpec
 
 __all__ = [
     "CopyBackend",

@@ -24,7 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 from distkv.abstract import OffloadKey
-from distkv.pool import ALL_SUB_BLOCKS, HostPool, copy_checksum
+from distkv.storage.pool import ALL_SUB_BLOCKS, HostPool, copy_checksum
 
 
 def check_chunks(pool: HostPool, primary: np.ndarray) -> None:
@@ -70,7 +70,7 @@ def load_row(pool: HostPool, primary: np.ndarray, row: int, key: OffloadKey, gen
 Copied = tuple[Hashable, bool, float, int]
 
 # Threads copying each way: a chunk's copy and hash run on one core, and memory bandwidth
-# is spent by about four (as distkv.handlers.cpu's segment threads).
+# is spent by about four (as distkv.storage.handlers.cpu's segment threads).
 COPY_THREADS = min(os.cpu_count() or 1, 4)
 
 

@@ -21,9 +21,9 @@ import numpy as np
 import torch
 import xxhash
 
-from distkv.handlers.base import CopyBackend, CopyTicket
-from distkv.handlers.layout import CopyPlan
-from distkv.pool import COPY_CHUNK_BYTES, HostPool
+from distkv.storage.handlers.base import CopyBackend, CopyTicket
+from distkv.storage.handlers.layout import CopyPlan
+from distkv.storage.pool import COPY_CHUNK_BYTES, HostPool
 
 
 def flat_bytes(tensor: torch.Tensor) -> torch.Tensor:

@@ -13,8 +13,8 @@ from distkv.abstract import (
     PrepareStoreOutput,
     ReqContext,
 )
-from distkv.policies import make_policy
-from distkv.pool import MAX_KEY_BYTES, PoolLoadStoreSpec
+from distkv.replica.policies import make_policy
+from distkv.storage.pool import MAX_KEY_BYTES, PoolLoadStoreSpec
 
 # A key is a block hash (at least one byte) and a 4-byte group index, and must fit a row header.
 MIN_KEY_BYTES = 5

@@ -3,7 +3,7 @@
 `DirectoryState` is one shard of the cluster-wide index `OffloadKey -> holders`; its
 `ChangeLog` numbers every change so that followers replay them to keep a `ShardView`, a
 local copy. Plain data and logic, no Ray: `ray_actors.directory` wraps a state in an
-actor per shard, and `distkv.directory`'s link follows the shards' logs.
+actor per shard, and `distkv.directory.link`'s link follows the shards' logs.
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ from dataclasses import asdict, dataclass
 from typing import Any, NamedTuple
 
 from distkv.abstract import OffloadKey
-from distkv.manager import MIN_KEY_BYTES, check_keys, key_problem
-from distkv.pool import MAX_KEY_BYTES
+from distkv.replica.local_manager import MIN_KEY_BYTES, check_keys, key_problem
+from distkv.storage.pool import MAX_KEY_BYTES
 
 # (key, row, generation): a block this replica made loadable in one of its pool's rows.
 StoredEntry = tuple[OffloadKey, int, int]
@@ -31,7 +31,7 @@ LogEntry = tuple[str, str, list[StoredEntry], list[OffloadKey]]
 # pickles without a Python call, several times faster than a NamedTuple.
 HolderFields = tuple[str, str, int, int]
 # (replica_id, seq, packed (stored, removed), report or None): one replica's publish as a
-# relay carries it (`distkv.relay`), the arguments of its own publish call.
+# relay carries it (`distkv.directory.relay`), the arguments of its own publish call.
 Relayed = tuple[str, int, bytes, "dict | None"]
 
 
@@ -52,7 +52,7 @@ class ReplicaInfo:
     epoch. It is part of the replica's id too (see ClusterOffloadingManager), so an id's
     info never changes and no view can pair a holder with another epoch's info.
     `endpoint`: where its pool can be read one-sidedly (NIXL), if it registered it, sealed
-    (`distkv.endpoint_seal`): opaque to the Directory and to whoever else is not a member
+    (`distkv.transfer.endpoint_seal`): opaque to the Directory and to whoever else is not a member
     of the replica's cache namespace.
     """
 
@@ -231,7 +231,7 @@ def prefix_root(
     return root
 
 
-# A slot's generation is a u64 of its header (`distkv.pool`), and crosses in answers as one.
+# A slot's generation is a u64 of its header (`distkv.storage.pool`), and crosses in answers as one.
 MAX_GENERATION = 1 << 64
 
 

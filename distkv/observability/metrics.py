@@ -178,7 +178,7 @@ def check_sample(name: str, kind: str, tags: Mapping[str, str]) -> MetricDef:
     """The definition of `name`; ValueError if it is not a `kind` with exactly these tag keys."""
     metric = METRICS.get(name)
     if metric is None:
-        raise ValueError(f"no metric {name!r} in distkv.metrics.METRICS")
+        raise ValueError(f"no metric {name!r} in distkv.observability.metrics.METRICS")
     if metric.kind != kind:
         raise ValueError(f"metric {name!r} is a {metric.kind}, reported as a {kind}")
     if tags.keys() != set(metric.tag_keys):

@@ -13,9 +13,9 @@ from types import ModuleType
 import numpy as np
 import torch
 
-from distkv.handlers.base import CopyBackend, CopyTicket
-from distkv.handlers.layout import CopyPlan
-from distkv.pool import MAX_PIN_BYTES, HostPool, pin_ranges
+from distkv.storage.handlers.base import CopyBackend, CopyTicket
+from distkv.storage.handlers.layout import CopyPlan
+from distkv.storage.pool import MAX_PIN_BYTES, HostPool, pin_ranges
 
 _HOST_REGISTER_DEFAULT = 0
 

@@ -7,7 +7,7 @@ primary chunks vLLM reserved. `ClusterTier` does them with a replica's parts:
 
 - its `ClusterOffloadingManager` (the pool's rows and eviction, the Directory, promotion)
   decides where a chunk goes and where one comes from;
-- a `ChunkCopier` (distkv.tier_copies) moves the bytes between a primary chunk and a pool
+- a `ChunkCopier` (distkv.storage.tier_copies) moves the bytes between a primary chunk and a pool
   row of one slot, off the caller's thread: hashed and sealed on a store, through the
   slot protocol on a load.
 
@@ -36,9 +36,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from distkv.abstract import LookupResult, OffloadingEvent, OffloadKey, ReqContext
-from distkv.cluster import ClusterOffloadingManager
-from distkv.pool import HostPool
-from distkv.tier_copies import ChunkCopier
+from distkv.replica.cluster_manager import ClusterOffloadingManager
+from distkv.storage.pool import HostPool
+from distkv.storage.tier_copies import ChunkCopier
 
 logger = logging.getLogger(__name__)
 

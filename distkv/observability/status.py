@@ -19,10 +19,10 @@ import time
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from distkv.errors import RECENT_ERRORS
-from distkv.metrics import DIRECTORY_SIZES
+from distkv.observability.errors import RECENT_ERRORS
+from distkv.observability.metrics import DIRECTORY_SIZES
 from distkv.names import RAY_NAMESPACE, parse_agent_name, parse_shard_name, shard_name
-from distkv.stats import ReplicaStats
+from distkv.observability.stats import ReplicaStats
 
 logger = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """Offloading specs of distkv's own (the seed's) API, and the plan every spec derives.
 
 LocalOffloadingSpec and ClusterOffloadingSpec are what an engine speaking vLLM's seed
-kv_offload API builds its offloading from: the stand-in engine of distkv.harness, the
+kv_offload API builds its offloading from: the stand-in engine of distkv.replica.harness, the
 demo and the benchmarks. vLLM 0.33 loads distkv.vllm.RayOffloadingSpec instead; both
 derive the replica's plan (ReplicaPlan) from a KVIdentity filled from their configuration.
 """
@@ -17,15 +17,15 @@ from typing import TYPE_CHECKING, Any
 
 from distkv.abstract import CanonicalKVCaches, LoadStoreSpec, OffloadingHandler, OffloadingSpec
 from distkv.config import DistkvConfig, KVIdentity, cache_namespace, model_settings, namespace_inputs
-from distkv.handlers import make_handlers
-from distkv.manager import LocalOffloadingManager
+from distkv.storage.handlers import make_handlers
+from distkv.replica.local_manager import LocalOffloadingManager
 from distkv.names import replica_name, segment_name
-from distkv.pool import HostPool, PoolLayout
+from distkv.storage.pool import HostPool, PoolLayout
 
 if TYPE_CHECKING:
-    from distkv.cluster import ClusterOffloadingManager
-    from distkv.endpoint_seal import EndpointSeal
-    from distkv.transport import NodeTransports, Transport
+    from distkv.replica.cluster_manager import ClusterOffloadingManager
+    from distkv.transfer.endpoint_seal import EndpointSeal
+    from distkv.transfer.transport import NodeTransports, Transport
 
 logger = logging.getLogger(__name__)
 
@@ -97,8 +97,8 @@ def node_transports(mode: str, pool: HostPool, object_store: "Transport", seal: 
     "nixl" stops the replica at start when NIXL cannot be used, with the cause and the fix;
     "auto" then reads through the object store and logs why, once.
     """
-    from distkv.rdma import NixlAgent, RdmaUnavailable
-    from distkv.transport import NixlTransport, NodeTransports
+    from distkv.transfer.rdma import NixlAgent, RdmaUnavailable
+    from distkv.transfer.transport import NixlTransport, NodeTransports
 
     nixl = None
     if mode != "object_store":
@@ -125,7 +125,7 @@ def joining_view(view: str, shard: Any) -> str:
         return view
     import ray
 
-    from distkv.directory import AUTO_PUSH_MAX_REPLICAS
+    from distkv.directory.link import AUTO_PUSH_MAX_REPLICAS
 
     try:
         registered = ray.get(shard.stats.remote(), timeout=DIRECTORY_SYNC_TIMEOUT_S)["replicas"]
@@ -159,9 +159,9 @@ def join_cluster(
         )
     import ray
 
-    from distkv.endpoint_seal import EndpointSeal
+    from distkv.transfer.endpoint_seal import EndpointSeal
     from distkv.names import RAY_NAMESPACE
-    from distkv.transport import ObjectStoreTransport
+    from distkv.transfer.transport import ObjectStoreTransport
     from ray_actors.namespace_secret import namespace_secret
     from ray_actors.node_agent import AgentFetch, start_node_agent
 
@@ -198,10 +198,10 @@ def _join(
     mode: str,
 ) -> "ClusterOffloadingManager":
     """join_cluster's steps once this node's agent runs: what they start goes on `started`."""
-    from distkv import metrics
-    from distkv.cluster import ClusterOffloadingManager
-    from distkv.directory import DirectoryLink, ReplicaInfo
-    from distkv.promotion import Promoter
+    from distkv.observability import metrics
+    from distkv.replica.cluster_manager import ClusterOffloadingManager
+    from distkv.directory.link import DirectoryLink, ReplicaInfo
+    from distkv.transfer.promotion import Promoter
     from ray_actors.directory import shard_clients
     from ray_actors.node_agent import agent_relay
 

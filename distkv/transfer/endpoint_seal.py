@@ -27,7 +27,7 @@ from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
-from distkv.rdma import PoolEndpoint
+from distkv.transfer.rdma import PoolEndpoint
 
 # the namespace's secret, as its first member creates it
 SECRET_BYTES = 32

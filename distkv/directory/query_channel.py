@@ -19,7 +19,7 @@ connection (keyed BLAKE2b of the frame and its number in its direction): a frame
 replayed, dropped or injected on the way closes the connection. A connection is bound to
 one cache namespace, which its hello names and the server checks once. Nothing is
 unpickled either way: requests are length-prefixed keys, answers the shard's typed answers
-(`distkv.directory_answer`). The channel is not encrypted, as Ray's own traffic is not by
+(`distkv.directory.answer`). The channel is not encrypted, as Ray's own traffic is not by
 default; where Ray's is (`RAY_USE_TLS`), shards serve no channel and queries stay on Ray
 (`channel_allowed`).
 
@@ -58,9 +58,9 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 
 from distkv.abstract import OffloadKey
-from distkv.directory_answer import MAX_ANSWER_BYTES
-from distkv.directory_state import MAX_CALL_KEYS
-from distkv.pool import MAX_KEY_BYTES
+from distkv.directory.answer import MAX_ANSWER_BYTES
+from distkv.directory.state import MAX_CALL_KEYS
+from distkv.storage.pool import MAX_KEY_BYTES
 
 logger = logging.getLogger(__name__)
 
@@ -369,7 +369,7 @@ class QueryChannel:
     `connect()` starts connecting in the background: `endpoint()` is the Future of the
     shard's (host, port, token) (its Ray method), then the handshake (`client_handshake`).
     Every answer is checked to come from the server that proved itself and handed on as
-    it came, bytes for the caller to decode (`distkv.directory_answer`). A lost connection fails
+    it came, bytes for the caller to decode (`distkv.directory.answer`). A lost connection fails
     every request in flight with ConnectionError; the next `connect()` tries again after
     RECONNECT_DELAY_S, doubled after each failed try in a row up to MAX_RECONNECT_DELAY_S.
     Thread-safe.

@@ -16,7 +16,7 @@ last; a reader that sees the generation it expects before and after its copy, an
 matching checksum, has read the block that was sealed, never a torn or reused one.
 
 The file itself (created and opened ours alone, locked by its members, removed by the
-last of them or by a reclaim) is `distkv.segments`' business.
+last of them or by a reclaim) is `distkv.storage.segments`' business.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ import numpy as np
 import xxhash
 
 from distkv.abstract import BlockIDsLoadStoreSpec, OffloadKey
-from distkv.segments import (
+from distkv.storage.segments import (
     SHM_DIR,
     UntrustedSegment,
     create_segment,
@@ -254,7 +254,7 @@ class HostPool:
 
     Every process of the replica (the scheduler's manager, each worker) opens it with
     the same name and layout. The last one to close it removes it. A segment is opened
-    only if it is this user's alone (`distkv.segments`): else UntrustedSegment.
+    only if it is this user's alone (`distkv.storage.segments`): else UntrustedSegment.
     """
 
     def __init__(self, name: str, layout: PoolLayout, shm_dir: str = SHM_DIR, create: bool = True, member: bool = True):

@@ -2,7 +2,7 @@
 
 A query's answer (each key's holders, and the `ReplicaInfo` of every replica they name) has
 one format however it travels, as what the shard's Ray method `query` returns or over its
-query channel (`distkv.query_channel`), and one reader, `decode_answer`: msgpack of lists,
+query channel (`distkv.directory.query_channel`), and one reader, `decode_answer`: msgpack of lists,
 ints, strs and bytes, every size bounded and every field checked, so that whoever answers
 can at worst answer wrongly, never run code or exhaust the asker. The holders cross as two
 little-endian arrays, each key's count (u32) and each holder's (index of its replica among
@@ -19,7 +19,7 @@ from collections.abc import Mapping, Sequence
 import msgpack
 import numpy as np
 
-from distkv.directory_state import HolderFields, ReplicaInfo
+from distkv.directory.state import HolderFields, ReplicaInfo
 
 # An answer names each key's holders (every replica of the namespace, at worst) and their infos.
 MAX_ANSWER_BYTES = 1 << 26

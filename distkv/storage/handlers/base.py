@@ -22,10 +22,10 @@ from typing import Protocol
 
 import torch
 
-from distkv import metrics
+from distkv.observability import metrics
 from distkv.abstract import GPULoadStoreSpec, OffloadingHandler, TransferResult, TransferSpec
-from distkv.handlers.layout import CopyPlan, CopyPlanner, SlotLayout
-from distkv.pool import MAX_KEY_BYTES, HostPool, PoolLoadStoreSpec
+from distkv.storage.handlers.layout import CopyPlan, CopyPlanner, SlotLayout
+from distkv.storage.pool import MAX_KEY_BYTES, HostPool, PoolLoadStoreSpec
 
 logger = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """The Directory: which replicas of a cache namespace hold which offloaded blocks.
 
 The shards' data and logic (`DirectoryState`, its `ChangeLog`, a follower's `ShardView`)
-are in `distkv.directory_state` and exported here too. This module is what one replica
+are in `distkv.directory.state` and exported here too. This module is what one replica
 holds: a `DirectoryLink`, which publishes the replica's stores and evictions and keeps a
 view of everyone else's, doing all its calls on one background thread so that no caller
 ever waits on the network. Its parts, each a plain class stepped by the link's thread:
@@ -12,7 +12,7 @@ ever waits on the network. Its parts, each a plain class stepped by the link's t
 - a `Querier` per shard, instead of the followers where the link is queried: batched
   questions about the keys the replica missed, whose answers stand in for the view;
 - the shards themselves as `ShardClient`s, handed in by whoever wires the cluster
-  together (`distkv.spec.join_cluster` hands in `ray_actors.directory`'s actors). No
+  together (`distkv.replica.specs.join_cluster` hands in `ray_actors.directory`'s actors). No
   Ray here: a test hands in clients whose futures it resolves itself.
 """
 
@@ -32,8 +32,8 @@ from typing import Protocol
 
 from distkv.abstract import OffloadKey
 from distkv.config import DIRECTORY_VIEWS
-from distkv.directory_answer import decode_answer
-from distkv.directory_state import (
+from distkv.directory.answer import decode_answer
+from distkv.directory.state import (
     FLUSH_INTERVAL_S,
     MAX_CALL_KEYS,
     ChangeLog,
@@ -52,10 +52,10 @@ from distkv.directory_state import (
     shard_of,
     unpack,
 )
-from distkv.manager import check_keys
-from distkv.errors import ErrorLog
-from distkv.metrics import MAX_OBSERVATIONS
-from distkv.relay import RelayBatch, RelayedShard
+from distkv.replica.local_manager import check_keys
+from distkv.observability.errors import ErrorLog
+from distkv.observability.metrics import MAX_OBSERVATIONS
+from distkv.directory.relay import RelayBatch, RelayedShard
 
 __all__ = [
     "FLUSH_INTERVAL_S", "ChangeLog", "Changes", "Cursor", "DIRECTORY_VIEWS", "DirectoryLink", "DirectoryState", "Follower",
@@ -97,7 +97,7 @@ class ShardClient(Protocol):
 
     def query(self, keys: Sequence[OffloadKey], namespace: str) -> Future:
         """Future of the (holders of each key, ReplicaInfo of each replica they name), as
-        `distkv.directory_answer.encode_answer` makes it: MAX_BATCH_KEYS keys at most."""
+        `distkv.directory.answer.encode_answer` makes it: MAX_BATCH_KEYS keys at most."""
 
     def cancel(self, future: Future) -> None:
         """Best effort: stop the call `future` answers (a long poll no one waits for any more)."""
@@ -621,7 +621,7 @@ class DirectoryLink:
     the two kinds share one namespace.
 
     `shards`: the namespace's shards, in order; `relay`: the way to the node's relay
-    (`distkv.relay`), which a queried link publishes through, each step's publishes in one
+    (`distkv.directory.relay`), which a queried link publishes through, each step's publishes in one
     call: beyond a few replicas a shard's calls, not their changes, are its cost. A block
     goes to the shard its manager placed it on (`ready`, `promoted`, `dropped`: its block's `shard`), or, from `stored` and
     `removed`, to its own key's (`shard_of(key, len(shards))`).

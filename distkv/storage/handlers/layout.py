@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from distkv.abstract import CanonicalKVCaches
-from distkv.pool import PoolLayout
+from distkv.storage.pool import PoolLayout
 
 # A slot header marks the sub-blocks written in one 64-bit word (pool.Sealed.filled).
 MAX_BLOCK_SIZE_FACTOR = 63

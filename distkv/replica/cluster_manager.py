@@ -20,13 +20,13 @@ from distkv.abstract import (
     ReqContext,
 )
 from distkv.config import STORE_POLICIES
-from distkv.directory import DirectoryLink
-from distkv.directory_state import prefix_root, shard_of
-from distkv.manager import MAX_KEY_BYTES, MIN_KEY_BYTES, LocalOffloadingManager, check_keys, key_problem
-from distkv.errors import ErrorLog, merge_errors
+from distkv.directory.link import DirectoryLink
+from distkv.directory.state import prefix_root, shard_of
+from distkv.replica.local_manager import MAX_KEY_BYTES, MIN_KEY_BYTES, LocalOffloadingManager, check_keys, key_problem
+from distkv.observability.errors import ErrorLog, merge_errors
 from distkv.names import epoch_replica_id
-from distkv.promotion import Promoter, Promotion
-from distkv.stats import (
+from distkv.transfer.promotion import Promoter, Promotion
+from distkv.observability.stats import (
     BlockCounts,
     LookupCounts,
     Observations,
@@ -235,7 +235,7 @@ class ClusterOffloadingManager(OffloadingManager):
         return MISS
 
     def provides(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
-        """lookup_result for an owner that promotes on load (distkv.tier): a block only
+        """lookup_result for an owner that promotes on load (distkv.replica.tier): a block only
         replicas of this cache epoch hold is a HIT and nothing starts (`promote` starts it
         when a load asks), a MISS if its promotion failed within promotion_timeout_s."""
         try:

@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from typing import Protocol
 
-from distkv.directory_state import FLUSH_INTERVAL_S, Relayed
+from distkv.directory.state import FLUSH_INTERVAL_S, Relayed
 
 # A shard's publishes waiting in a relay; past it a publish fails at once (its replica
 # retries after a backoff), so a shard that stopped answering cannot pile them up.
@@ -57,7 +57,7 @@ class _Route:
 class PublishRelay:
     """Carries the publishes of many replicas of one cache namespace to its shards.
 
-    `publish` has the signature of `distkv.directory.ShardClient.publish` plus the shard:
+    `publish` has the signature of `distkv.directory.link.ShardClient.publish` plus the shard:
     it queues the publish and returns the Future of the shard's answer to it. Each shard
     has at most one call in flight, carrying every publish queued for it meanwhile; the
     next goes the shard's interval after the previous one was sent (the interval the
@@ -267,7 +267,7 @@ def _settle_handed(futures: list[Future], call: Future) -> None:
 
 
 class RelayedShard:
-    """A shard as a replica's link calls it (`distkv.directory.ShardClient`), its publishes
+    """A shard as a replica's link calls it (`distkv.directory.link.ShardClient`), its publishes
     carried by its node's relay: `relay(shard, replica_id, seq, changes, report)` returns
     the Future of the answer (`PublishRelay.publish`, or the call to the node's agent that
     runs it). Every other call goes to the shard itself, `direct`."""

@@ -28,10 +28,10 @@ from typing import Protocol
 import numpy as np
 
 from distkv.abstract import OffloadKey
-from distkv.directory import ReplicaInfo
-from distkv.endpoint_seal import EndpointSeal
-from distkv.pool import HEADER_BYTES, HostPool, PoolLayout, RowsRead, Sealed, check_landed, copy_checksum
-from distkv.rdma import NixlAgent, PoolEndpoint, ReadQueue
+from distkv.directory.link import ReplicaInfo
+from distkv.transfer.endpoint_seal import EndpointSeal
+from distkv.storage.pool import HEADER_BYTES, HostPool, PoolLayout, RowsRead, Sealed, check_landed, copy_checksum
+from distkv.transfer.rdma import NixlAgent, PoolEndpoint, ReadQueue
 
 logger = logging.getLogger(__name__)
 
@@ -139,7 +139,7 @@ class RemoteFetch(Protocol):
     def __call__(
         self, holder: ReplicaInfo, rows: list[int], keys: list[OffloadKey], generations: list[int]
     ) -> Future[RowsRead]:
-        """A future of the rows as the holder's node read them (`distkv.pool.read_rows`)."""
+        """A future of the rows as the holder's node read them (`distkv.storage.pool.read_rows`)."""
 
     def forget_gone(self, replica_info: Callable[[str], ReplicaInfo | None]) -> None:
         """Release what is kept for the nodes of holders that left (`Transport.forget_gone`)."""

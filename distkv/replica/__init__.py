@@ -1,0 +1,2 @@
+"""The replica: the managers an engine's scheduler calls, and joining a cluster.
+"""
