@@ -23,7 +23,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import ray  # noqa: E402
 
-from distkv.directory.link import DirectoryLink, ReplicaInfo, pack, shard_of  # noqa: E402
+from distkv.directory.link import DirectoryLink  # noqa: E402
+from distkv.directory.records import ReplicaInfo  # noqa: E402
+from distkv.directory.wire import pack  # noqa: E402
+from distkv.directory.placement import shard_of  # noqa: E402
 from distkv.names import RAY_NAMESPACE, segment_name  # noqa: E402
 from ray_actors.directory import get_or_create_shards, head_node_id, kill_shards, shard_clients  # noqa: E402
 

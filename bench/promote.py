@@ -52,7 +52,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy  # noq
 from distkv.abstract import ReqContext  # noqa: E402
 from distkv.demo.runner import token_auth_on  # noqa: E402
 from distkv.replica.harness import Replica, block_keys  # noqa: E402
-from distkv.storage.pool import checksum  # noqa: E402
+from distkv.storage.slots import checksum  # noqa: E402
 from distkv.replica.specs import ClusterOffloadingSpec  # noqa: E402
 from ray_actors.directory import kill_shards  # noqa: E402
 

@@ -35,9 +35,10 @@ import psutil  # noqa: E402
 import ray  # noqa: E402
 
 from distkv.demo.runner import token_auth_on  # noqa: E402
-from distkv.directory.link import ReplicaInfo, pack  # noqa: E402
+from distkv.directory.records import ReplicaInfo  # noqa: E402
+from distkv.directory.wire import pack  # noqa: E402
 from distkv.directory.answer import decode_answer  # noqa: E402
-from distkv.directory.state import MAX_CALL_KEYS  # noqa: E402
+from distkv.directory.wire import MAX_CALL_KEYS  # noqa: E402
 from distkv.names import RAY_NAMESPACE, segment_name  # noqa: E402
 from ray_actors.directory import ShardActorClient  # noqa: E402
 import query_grpc  # noqa: E402  (bench/, this script's directory, as the next)

@@ -25,7 +25,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
-from distkv.directory.link import QUERY_TIMEOUT_S
+from distkv.directory.querier import QUERY_TIMEOUT_S
 from distkv.directory import query_channel
 from distkv.directory.answer import MAX_ANSWER_BYTES
 from distkv.directory.query_channel import (

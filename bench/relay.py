@@ -27,7 +27,8 @@ import psutil  # noqa: E402
 import ray  # noqa: E402
 
 from distkv.demo.runner import token_auth_on  # noqa: E402
-from distkv.directory.state import ReplicaInfo, pack  # noqa: E402
+from distkv.directory.records import ReplicaInfo  # noqa: E402
+from distkv.directory.wire import pack  # noqa: E402
 from distkv.names import segment_name  # noqa: E402
 from ray_actors.directory import get_or_create_shards, kill_shards  # noqa: E402
 from ray_actors.node_agent import start_node_agent  # noqa: E402

@@ -115,14 +115,20 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy  # noq
 
 from distkv.abstract import ReqContext, make_offload_key  # noqa: E402
 from distkv.demo.runner import token_auth_on  # noqa: E402
-from distkv.directory.link import Changes, Cursor, DirectoryState, Publisher, ReplicaInfo, ShardView, pack, shard_of, unpack  # noqa: E402
+from distkv.directory.records import Changes, Cursor, ReplicaInfo  # noqa: E402
+from distkv.directory.state import DirectoryState  # noqa: E402
+from distkv.directory.publisher import DirectPublish, PublishPath, Publisher  # noqa: E402
+from distkv.directory.follower import ShardView  # noqa: E402
+from distkv.directory.wire import pack, unpack  # noqa: E402
+from distkv.directory.placement import shard_of  # noqa: E402
 from distkv.directory.answer import decode_answer, encode_answer  # noqa: E402
-from distkv.directory.state import YOUNG_COLLECTION_KEYS, ShardCollections, defer_full_collections, unpack_changes  # noqa: E402
+from distkv.directory.upkeep import YOUNG_COLLECTION_KEYS, ShardCollections, defer_full_collections  # noqa: E402
+from distkv.directory.wire import unpack_changes  # noqa: E402
 from distkv.observability.errors import ErrorLog  # noqa: E402
 from distkv.names import segment_name  # noqa: E402
 from distkv.directory.query_channel import QueryChannel  # noqa: E402
 from distkv.replica.specs import ClusterOffloadingSpec  # noqa: E402
-from distkv.directory.relay import PublishRelay, RelayedShard  # noqa: E402
+from distkv.directory.relay import PublishRelay  # noqa: E402
 from ray_actors.directory import ShardActorClient, get_or_create_shards, kill_shards, shard_clients  # noqa: E402
 
 MiB = 1 << 20
@@ -669,7 +675,7 @@ class LoadGenerator:
 
     def __init__(
         self, namespace: str, node_id: str, replicas: Sequence[int], clients: Sequence[Any], rates: LoadRates,
-        clock: Callable[[], float] = time.monotonic,
+        clock: Callable[[], float] = time.monotonic, path: PublishPath | None = None,
     ) -> None:
         if not replicas:
             raise ValueError("LoadGenerator: no replicas")
@@ -679,13 +685,18 @@ class LoadGenerator:
         self.replicas = list(replicas)
         self.num_shards = len(clients)
         self.clients = list(clients)
+        # how the replicas' publishes reach the shards: each shard itself, or a relay
+        self.path = DirectPublish(clients, namespace) if path is None else path
         self.errors = ErrorLog()
         self.publishers: list[list[Publisher]] = []
         for index in self.replicas:
             name = f"load{index}"
             info = ReplicaInfo(name, node_id, segment_name(namespace, name), rates.held, 1, PAGE_BYTES)
             self.publishers.append([
-                Publisher(s, client, namespace, info, wake=_no_wake, errors=self.errors, event_lags=collections.deque(maxlen=1))
+                Publisher(
+                    s, client, namespace, info,
+                    wake=_no_wake, errors=self.errors, event_lags=collections.deque(maxlen=1), path=self.path,
+                )
                 for s, client in enumerate(clients)
             ])
         self.next_key = [0] * len(self.replicas)
@@ -894,8 +905,7 @@ class LoadProcess:
         if relayed:
             self.relay = PublishRelay(namespace, clients)
             self.relay.start()
-            clients = [RelayedShard(client, i, namespace, self.relay.publish) for i, client in enumerate(clients)]
-        self.generator = LoadGenerator(namespace, node_id, replicas, clients, rates)
+        self.generator = LoadGenerator(namespace, node_id, replicas, clients, rates, path=self.relay)
         self._stop_heartbeats = threading.Event()
         self._heartbeats: threading.Thread | None = None
 

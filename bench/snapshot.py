@@ -27,7 +27,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runs from a chec
 import ray  # noqa: E402
 
 from distkv.demo.runner import token_auth_on  # noqa: E402
-from distkv.directory.state import MAX_CALL_KEYS, ReplicaInfo, pack, unpack  # noqa: E402
+from distkv.directory.wire import MAX_CALL_KEYS, pack, unpack  # noqa: E402
+from distkv.directory.records import ReplicaInfo  # noqa: E402
 from distkv.names import segment_name  # noqa: E402
 from ray_actors.directory import get_or_create_shards, kill_shards  # noqa: E402
 

@@ -130,7 +130,7 @@ def store_chunks(manager, keys: list[bytes], seed: int) -> list[int]:
     wait for the cascades to every secondary tier; their checksums (xxh3), by key."""
     from vllm.v1.kv_offload.base import ReqContext
 
-    from distkv.storage.pool import checksum
+    from distkv.storage.slots import checksum
 
     ctx = ReqContext(f"store-{uuid.uuid4().hex[:8]}")
     primary = np.frombuffer(manager.primary_tier.get_kv_memoryview(), dtype=np.uint8).reshape(-1, CHUNK_BYTES)
@@ -325,7 +325,7 @@ class TierBenchReplica:
         bytes `transport` moved); every chunk is then checked against `sums`."""
         from vllm.v1.kv_offload.base import LookupResult, ReqContext
 
-        from distkv.storage.pool import checksum
+        from distkv.storage.slots import checksum
 
         moved = self.tier.cluster.promoter.transported
         before = moved.get(transport, [0, 0, 0.0])[1]

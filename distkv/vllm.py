@@ -57,13 +57,14 @@ except ImportError as e:
     ) from e
 
 from distkv import abstract
-from distkv.replica.cluster_manager import ClusterOffloadingManager
 from distkv.config import HF_CONFIG_SOURCES, MODEL_SETTINGS_OUTSIDE_KV, KVIdentity, model_settings
-from distkv.directory.state import prefix_root
+from distkv.directory.placement import prefix_root
+from distkv.replica.cluster_manager import ClusterOffloadingManager
+from distkv.replica.join import join_cluster
+from distkv.replica.placement import RequestRoot
+from distkv.replica.plan import ReplicaPlan
 from distkv.storage.handlers import make_handlers
-from distkv.replica.local_manager import LocalOffloadingManager
 from distkv.storage.pool import HostPool
-from distkv.replica.specs import ReplicaPlan, join_cluster
 
 logger = logging.getLogger(__name__)
 
@@ -226,6 +227,13 @@ def request_root(req_context: ReqContext, first_chunk: tuple[int, int] | None) -
     return prefix_root(offload_key_positions(req_context), first_chunk)
 
 
+def vllm_request_root(first_chunk: tuple[int, int] | None) -> RequestRoot:
+    """How a replica's cluster manager finds the placement root of a vLLM request
+    (`BlockPlacement`): `request_root` with `first_chunk` (None places by the smallest
+    position recorded, for a single group without partial tails)."""
+    return functools.partial(request_root, first_chunk=first_chunk)
+
+
 class _ReusedKeys:
     """Per-request state: the stored blocks a request used, in order, for recency."""
 
@@ -295,12 +303,9 @@ class DistkvOffloadingManager(OffloadingManager):
         cluster: ClusterOffloadingManager,
         pool: HostPool,
         enable_events: bool,
-        first_chunk: tuple[int, int] | None = None,
     ):
-        """`first_chunk`: where a request's placement root ends (see `first_chunk`); None
-        places by the smallest position recorded, for a single group without partial tails."""
+        """`cluster` places a request's blocks by `vllm_request_root`."""
         self.cluster = cluster
-        cluster.request_root = functools.partial(request_root, first_chunk=first_chunk)
         self._pool = pool
         self._enable_events = enable_events
         self._events: list[OffloadingEvent] = []
@@ -488,10 +493,9 @@ class RayOffloadingSpec(OffloadingSpec):
             pool = HostPool(plan.pool_name, plan.layout)
             try:
                 self._check_workers_attached(pool)
-                local = LocalOffloadingManager(
-                    plan.layout.num_rows, policy=plan.config.eviction_policy, generations=pool.reserve_generations
+                cluster = join_cluster(
+                    plan, pool, generations=pool.reserve_generations, request_root=vllm_request_root(first_chunk(self.config))
                 )
-                cluster = join_cluster(plan, pool, local)
                 cluster.expect_step_ends()  # DistkvOffloadingManager.on_schedule_end
             except BaseException:
                 pool.close()
@@ -500,9 +504,7 @@ class RayOffloadingSpec(OffloadingSpec):
                 "distkv: replica %s in namespace %s, %d pool rows of %d x %d bytes",
                 plan.replica_id, plan.namespace, plan.layout.num_rows, plan.layout.num_ranks, plan.layout.slot_bytes,
             )
-            self._manager = DistkvOffloadingManager(
-                cluster, pool, self.kv_events_config.enable_kv_cache_events, first_chunk(self.config)
-            )
+            self._manager = DistkvOffloadingManager(cluster, pool, self.kv_events_config.enable_kv_cache_events)
         return self._manager
 
     def get_worker(self, kv_caches: CanonicalKVCaches) -> DistkvOffloadingWorker:
@@ -547,5 +549,6 @@ __all__ = [
     "prefix_hash_seed",
     "request_root",
     "replica_plan",
+    "vllm_request_root",
     "vllm_model_settings",
 ]

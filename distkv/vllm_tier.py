@@ -25,7 +25,6 @@ the chunk's format, and without the parallel layout where vLLM's chunks are cano
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
 from collections.abc import Collection, Iterable, Mapping
 from typing import Any, ClassVar
@@ -58,9 +57,9 @@ except ImportError as e:
     ) from e
 
 from distkv.config import CONNECTOR_KEYS
-from distkv.replica.local_manager import LocalOffloadingManager
 from distkv.storage.pool import HostPool
-from distkv.replica.specs import ReplicaPlan, join_cluster
+from distkv.replica.plan import ReplicaPlan
+from distkv.replica.join import join_cluster
 from distkv.replica.tier import ClusterTier
 from distkv.vllm import (
     VLLM_LOOKUP_ANSWERS,
@@ -68,7 +67,7 @@ from distkv.vllm import (
     connector_vllm_config,
     first_chunk,
     kv_identity,
-    request_root,
+    vllm_request_root,
     vllm_model_settings,
 )
 
@@ -159,10 +158,8 @@ class DistkvTier(SecondaryTierManager):
         primary = np.frombuffer(primary_kv_view, dtype=np.uint8).reshape(num_chunks, self.block_size_bytes)
         pool = HostPool(plan.pool_name, plan.layout)
         try:
-            local = LocalOffloadingManager(plan.layout.num_rows, policy=plan.config.eviction_policy)
-            cluster = join_cluster(plan, pool, local, mode="tier")
+            cluster = join_cluster(plan, pool, request_root=vllm_request_root(first_chunk(config)), mode="tier")
             try:
-                cluster.request_root = functools.partial(request_root, first_chunk=first_chunk(config))
                 cluster.expect_step_ends()  # on_schedule_end
                 self._tier = ClusterTier(cluster, pool, primary)
             except BaseException:

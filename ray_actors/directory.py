@@ -29,22 +29,18 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from distkv.observability import metrics
 from distkv.abstract import OffloadKey
-from distkv.directory.state import (
-    Cursor,
-    DirectoryState,
+from distkv.directory.records import Cursor, Relayed, ReplicaInfo
+from distkv.directory.state import DirectoryState
+from distkv.directory.wire import (
     MAX_CALL_KEYS,
     MAX_RELAYED_PUBLISHES,
-    Lateness,
-    Relayed,
-    ReplicaInfo,
-    ShardCollections,
-    SnapshotBuilder,
     check_namespace,
     check_stored,
-    defer_full_collections,
     unpack_changes,
     unpack_stored,
 )
+from distkv.directory.upkeep import Lateness, ShardCollections, defer_full_collections
+from distkv.directory.snapshot import SnapshotBuilder
 from distkv.directory.answer import encode_answer
 from distkv.names import RAY_NAMESPACE, check_pool_namespace, parse_shard_name, shard_name
 from distkv.directory.query_channel import TOKEN_BYTES, QueryChannel, QueryServer, channel_allowed

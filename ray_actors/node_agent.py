@@ -16,9 +16,10 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from distkv.observability import metrics
 from distkv.abstract import OffloadKey
-from distkv.directory.link import ReplicaInfo
+from distkv.directory.records import ReplicaInfo
 from distkv.names import RAY_NAMESPACE, agent_name, check_pool_namespace
-from distkv.storage.pool import PRUNE_INTERVAL_S, PoolLayout, PoolReaders, RowsRead, read_rows
+from distkv.storage.readers import PRUNE_INTERVAL_S, PoolReaders, RowsRead, read_rows
+from distkv.storage.pool import PoolLayout
 from distkv.directory.relay import Handed, PublishRelay, RelayBatch
 from distkv.storage.segments import reclaim_stale_segments
 from distkv.transfer.transport import HolderNodes

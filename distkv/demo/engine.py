@@ -19,6 +19,7 @@ import torch
 
 from distkv.abstract import OffloadingSpec
 from distkv.replica.cluster_manager import ClusterOffloadingManager
+from distkv.replica.dedupe import SkipHeldElsewhere
 from distkv.demo.model import ModelConfig, PagedKV, TinyDecoder, prefill
 from distkv.replica.harness import Prefill, Replica, block_keys
 from distkv.replica.specs import ClusterOffloadingSpec
@@ -78,7 +79,7 @@ class ModelReplica:
             spec, num_blocks, model.page_bytes(self.block_tokens), compute=self._compute, step_s=step_s, device=device
         )
         self.manager = self.replica.manager
-        self._shared = isinstance(self.manager, ClusterOffloadingManager)
+        self._shared = isinstance(self.manager, (ClusterOffloadingManager, SkipHeldElsewhere))
         self.cache = PagedKV(self.replica.kv[0], self.replica.kv[1], model, self.block_tokens)
         self._prefill: Prefill | None = None
 

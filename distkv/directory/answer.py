@@ -19,7 +19,7 @@ from collections.abc import Mapping, Sequence
 import msgpack
 import numpy as np
 
-from distkv.directory.state import HolderFields, ReplicaInfo
+from distkv.directory.records import HolderFields, ReplicaInfo
 
 # An answer names each key's holders (every replica of the namespace, at worst) and their infos.
 MAX_ANSWER_BYTES = 1 << 26

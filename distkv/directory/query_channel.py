@@ -59,8 +59,8 @@ from concurrent.futures import Future
 
 from distkv.abstract import OffloadKey
 from distkv.directory.answer import MAX_ANSWER_BYTES
-from distkv.directory.state import MAX_CALL_KEYS
-from distkv.storage.pool import MAX_KEY_BYTES
+from distkv.directory.wire import MAX_CALL_KEYS
+from distkv.storage.slots import MAX_KEY_BYTES
 
 logger = logging.getLogger(__name__)
 

@@ -20,7 +20,8 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from typing import Protocol
 
-from distkv.directory.state import FLUSH_INTERVAL_S, Relayed
+from distkv.directory.state import FLUSH_INTERVAL_S
+from distkv.directory.records import Relayed
 
 # A shard's publishes waiting in a relay; past it a publish fails at once (its replica
 # retries after a backoff), so a shard that stopped answering cannot pile them up.
@@ -57,7 +58,7 @@ class _Route:
 class PublishRelay:
     """Carries the publishes of many replicas of one cache namespace to its shards.
 
-    `publish` has the signature of `distkv.directory.link.ShardClient.publish` plus the shard:
+    `publish` has the signature of `distkv.directory.client.ShardClient.publish` plus the shard:
     it queues the publish and returns the Future of the shard's answer to it. Each shard
     has at most one call in flight, carrying every publish queued for it meanwhile; the
     next goes the shard's interval after the previous one was sent (the interval the
@@ -148,6 +149,10 @@ class PublishRelay:
                 future.set_exception(error)
         return due
 
+    def flush(self) -> None:
+        """Nothing to hand over: the relay's thread sends what is due (a `PublishPath`, as
+        the in-process relay of bench/scale.py's replicas)."""
+
     def unused_s(self, now: float) -> float:
         """Seconds at `now` (on the relay's clock) since a publish was last handed over or
         a call last answered, or since the relay was made; 0 while a publish waits or a
@@ -217,6 +222,7 @@ class RelayBatch:
     """A replica's publishes to its node's relay, gathered over one step of its link:
     `flush` (at the step's end) hands them over in one `send` call, whichever shards they
     go to, so that a replica calls its node's agent once per step, not once per shard.
+    The publish path (`distkv.directory.publisher.PublishPath`) of a queried link.
 
     `send(items)` returns the Future of a list with, per item, the shard's answer
     (epoch, known, interval) or the error that refused it (a str). Stepped by the link's
@@ -264,45 +270,6 @@ def _settle_handed(futures: list[Future], call: Future) -> None:
             future.set_exception(RuntimeError(result))
         else:
             future.set_result(result)
-
-
-class RelayedShard:
-    """A shard as a replica's link calls it (`distkv.directory.link.ShardClient`), its publishes
-    carried by its node's relay: `relay(shard, replica_id, seq, changes, report)` returns
-    the Future of the answer (`PublishRelay.publish`, or the call to the node's agent that
-    runs it). Every other call goes to the shard itself, `direct`."""
-
-    def __init__(self, direct, shard: int, namespace: str, relay: Callable[[int, str, int, bytes, dict | None], Future]) -> None:
-        self.direct = direct
-        self.shard = shard
-        self.namespace = namespace
-        self._relay = relay
-
-    def register(self, info, seq: int, stored: bytes, namespace: str) -> Future:
-        return self.direct.register(info, seq, stored, namespace)
-
-    def publish(self, replica_id: str, seq: int, changes: bytes, report: dict | None, namespace: str) -> Future:
-        if namespace != self.namespace:
-            raise ValueError(f"RelayedShard of namespace {self.namespace!r}: refuses a publish for {namespace!r}")
-        return self._relay(self.shard, replica_id, seq, changes, report)
-
-    def unregister(self, replica_id: str, namespace: str) -> Future:
-        return self.direct.unregister(replica_id, namespace)
-
-    def changes(self, cursor, timeout_s: float, namespace: str, follower: str | None) -> Future:
-        return self.direct.changes(cursor, timeout_s, namespace, follower)
-
-    def query(self, keys, namespace: str) -> Future:
-        return self.direct.query(keys, namespace)
-
-    def cancel(self, future: Future) -> None:
-        self.direct.cancel(future)
-
-    def close(self) -> None:
-        self.direct.close()
-
-    def __repr__(self) -> str:
-        return f"RelayedShard({self.direct!r}, {self.shard})"
 
 
 def _take_call(queued: list[tuple[Relayed, Future]]) -> list[tuple[Relayed, Future]]:

@@ -2,12 +2,9 @@
 
 from __future__ import annotations
 
-import collections
 import dataclasses
-import logging
-import math
 import time
-from collections.abc import Collection, Iterable
+from collections.abc import Callable, Collection, Iterable
 
 from distkv.abstract import (
     SEED_LOOKUP_ANSWERS,
@@ -19,156 +16,123 @@ from distkv.abstract import (
     PrepareStoreOutput,
     ReqContext,
 )
-from distkv.config import STORE_POLICIES
 from distkv.directory.link import DirectoryLink
-from distkv.directory.state import prefix_root, shard_of
-from distkv.replica.local_manager import MAX_KEY_BYTES, MIN_KEY_BYTES, LocalOffloadingManager, check_keys, key_problem
-from distkv.observability.errors import ErrorLog, merge_errors
 from distkv.names import epoch_replica_id
+from distkv.observability.errors import ErrorLog
+from distkv.observability.stats import Observations, ReplicaStats
+from distkv.replica.epochs import CacheEpoch
+from distkv.replica.inflight import OVERDUE_GRACE_S, PromotionsInFlight
+from distkv.replica.local_manager import Block, LocalOffloadingManager
+from distkv.replica.placement import BlockPlacement
+from distkv.replica.protection import ScanRounds
+from distkv.replica.replica_stats import LoadSources, drain_observations, replica_stats
+from distkv.storage.keys import MIN_KEY_BYTES, key_problem
+from distkv.storage.slots import MAX_KEY_BYTES
 from distkv.transfer.promotion import Promoter, Promotion
-from distkv.observability.stats import (
-    BlockCounts,
-    LookupCounts,
-    Observations,
-    PoolUsage,
-    PromotionCounts,
-    ReplicaStats,
-    TransportCounts,
-)
-
-logger = logging.getLogger(__name__)
 
 # The answers as globals: one cached load each on the hot path, where `LookupResult.HIT`
 # goes through the enum class's attribute lookup.
 MISS, HIT, HIT_PENDING, RETRY = LookupResult.MISS, LookupResult.HIT, LookupResult.HIT_PENDING, LookupResult.RETRY
 
-# Failed promotions remembered (so that lookups answer a miss, not a new try) at most.
-MAX_FAILED_KEYS = 1 << 16
-# Replica ids whose cache epoch is remembered (`_in_epoch`) at most.
-MAX_REPLICA_EPOCHS = 1 << 16
-# The Promoter fails a promotion at its deadline itself; the manager fails one the
-# Promoter has not reported this long after (its thread is stuck or gone).
-OVERDUE_GRACE_S = 1.0
+
+class ClusterBlock(Block):
+    """A block of a cluster manager's pool: the local manager's fields, and the cluster's
+    own: `seen`, the scan round of the last lookup that found it (`ScanRounds`), and
+    `shard`, the Directory shard its placement chose, where its removal goes too (0 until
+    placed: the one shard of a one-shard Directory)."""
+
+    __slots__ = ("seen", "shard")
+
+    def __init__(self, row: int, generation: int, refs: int) -> None:
+        super().__init__(row, generation, refs)
+        self.seen = -1
+        self.shard = 0
 
 
-def seed_request_root(req_context: ReqContext) -> tuple[OffloadKey, int] | None:
-    """The placement root of a request of distkv's seed API and its end token (`prefix_root`
-    of the positions its engine recorded: the harness and the demo record every block's)."""
-    return prefix_root(req_context.offload_key_positions())
+class _Announcements:
+    """The local manager's sink: each block its calls make loadable or let go is announced
+    to the Directory as the call makes it; one stored for `promotions` (the cluster
+    manager's context of its promotions) as promoted, which may wait for a batch."""
 
+    def __init__(self, link: DirectoryLink, promotions: ReqContext) -> None:
+        self._link = link
+        self._promotions = promotions
 
-class _PlacementRoot:
-    """Per-request state: the shard of the request's placement root, and the root's end token."""
+    def stored(self, blocks: list[tuple[OffloadKey, Block]], req_context: ReqContext) -> None:
+        if req_context is self._promotions:
+            self._link.promoted_blocks(blocks)
+        else:
+            self._link.stored_blocks(blocks)
 
-    __slots__ = ("shard", "end")
-
-    def __init__(self, shard: int, end: int) -> None:
-        self.shard = shard
-        self.end = end
+    def removed(self, blocks: list[tuple[OffloadKey, Block]]) -> None:
+        self._link.removed_blocks(blocks)
 
 
 class ClusterOffloadingManager(OffloadingManager):
     """The seed OffloadingManager of one replica in a cluster.
 
-    Wraps the replica's LocalOffloadingManager and adds what other replicas hold:
-    - lookup_result of a key absent locally but held elsewhere (per the replica's view of
-      the Directory) reserves a local row and starts a promotion; lookups answer RETRY
-      until the block is local (then HIT), or MISS once the promotion failed or timed out.
-      `lookup`, the seed's, answers the same with None for both RETRY and HIT_PENDING;
-    - every stored and removed block is reported to the Directory, batched, from the
-      DirectoryLink's thread.
-    Nothing here waits on the network: the view is an in-process dict, promotions and
-    publishing run on background threads, and their results are applied here, on the
-    scheduler's thread, at the next call. Where the link is queried, a key missing from
-    both the pool and the view is asked about (`DirectoryLink.ask`) and answers RETRY until
-    the answer is in the view; `end_step` has the step's questions sent at once.
+    Owns the replica's LocalOffloadingManager (`local`: `num_rows` rows, evicting by
+    `policy`, generations from `generations`), which it builds and uses through its API
+    only, and adds what other replicas hold: lookup_result of a key absent here but held
+    elsewhere (per the link's view) reserves a local row and starts a promotion (RETRY
+    until the block is local, then HIT, or MISS once the promotion failed); every block
+    the local manager stores or lets go is announced to the Directory as it happens (its
+    sink). Nothing here waits on the network: the view is an in-process dict, promotions
+    and publishing run on background threads, and their results are applied on the
+    scheduler's thread at its next call. Where the view is queried, a key missing from
+    both the pool and the view is asked about (`DirectoryLink.ask`) and answers RETRY
+    until the answer is in; `end_step` has the step's questions sent at once.
 
-    A promotion's reserved row belongs to the Promoter until it reports the promotion.
-    One it has not reported OVERDUE_GRACE_S after its deadline, and every one in flight
-    at reset_cache, is abandoned: a miss at once, its row retired in the local manager
-    (never reused) until the report comes. A key has one promotion at most: the local
-    manager does not store a key again while its retired row is in use.
-
-    A promotion never evicts a block that a scan has just answered HIT, which would turn
-    the scan's prefix into a miss when the request comes back for it: it spares those
-    found since the last prepare_store (vLLM offers stores after the step's scans), and
-    those found by a request whose scan was deferred (answered retry) until that request
-    loads, stores or finishes (request_finished), or its promotions' deadlines have
-    passed. Lookups stamp the blocks they find with the scan round, one int store.
-
-    reset_cache moves the replica to the next cache epoch: it registers again under
-    "<replica_id>.epoch<n>" with `cache_epoch` n, and promotes only from holders of its
-    own epoch, so that blocks computed before a weight update are never loaded after it.
-
-    Each block it stores or promotes is placed on a Directory shard by its request's
-    prefix (`block_shard`), noted on the block, and its removal goes to the same shard.
-    `request_root` finds a request's placement root; the vLLM adapter sets its own.
+    Its parts: `PromotionsInFlight` (one promotion per key at most, overdue and abandoned
+    ones), `ScanRounds` (what a promotion must not evict), `placement` (a BlockPlacement:
+    the Directory shard of each block), `epoch` (a CacheEpoch: reset_cache moves the
+    replica to its next one, and it promotes only from holders of its own).
     """
 
     def __init__(
         self,
-        local: LocalOffloadingManager,
+        num_rows: int,
         link: DirectoryLink,
         promoter: Promoter,
-        store_policy: str = "always",
+        *,
+        policy: str = "lru",
+        generations: Callable[[int], int] | None = None,
+        placement: BlockPlacement | None = None,
         promotion_timeout_s: float = 5.0,
         mode: str = "spec",
     ):
-        """`mode`: how the engine uses this replica (ReplicaStats.mode), shown by `distkv status`."""
-        if store_policy not in STORE_POLICIES:
-            raise ValueError(f"store_policy={store_policy!r} must be one of {list(STORE_POLICIES)}")
+        """`placement`: by the seed API's request roots over the link's shards if None;
+        `mode`: how the engine uses this replica (ReplicaStats.mode)."""
         if promotion_timeout_s <= 0:
             raise ValueError(f"promotion_timeout_s={promotion_timeout_s} must be positive")
-        self.local = local
-        local.landed = []
-        local.dropped = []
-        self._blocks = local.blocks
-        self._num_shards = link.num_shards
-        self.request_root = seed_request_root
-        self._view = link.view
+        self._promotion_ctx = ReqContext(req_id="distkv-promotion")
+        self.local = LocalOffloadingManager(
+            num_rows, policy, generations=generations, block_type=ClusterBlock,
+            sink=_Announcements(link, self._promotion_ctx),
+        )
+        self._blocks = self.local.blocks
         self.link = link
+        self._view = link.view
         self.promoter = promoter
-        self.dedupe = store_policy == "dedupe"
+        self.placement = placement or BlockPlacement(link.num_shards)
+        self._num_shards = self.placement.num_shards
         self.promotion_timeout_s = promotion_timeout_s
         self.mode = mode
         self._events: list[OffloadingEvent] = []
-        # keys whose promotion failed, and until when lookups answer False for them
-        self._failed: dict[OffloadKey, float] = {}
-        # promotions in flight -> when the manager fails them if the Promoter has not, in
-        # submission order, so the earliest is first
-        self._promoting: dict[OffloadKey, float] = {}
-        # no promotion is overdue before this (a lower bound, so the hot path reads one float)
-        self._next_overdue = math.inf
-        # abandoned promotions whose report is still due (see the class docstring)
-        self._abandoned: set[OffloadKey] = set()
-        self._replica_name = link.info.replica_id
-        # Protection of looked-up blocks: lookups stamp them with the current scan round
-        # (advanced by each prepare_store); requests answered retry, by req_id, with the
-        # round of that answer and when their protection lapses.
-        self._round = 0
-        self._waiting: dict[str, tuple[int, float]] = {}
-        # promotions spare the blocks stamped with a round at least this
-        self._protect_from = 0
-        self.cache_epoch = link.info.cache_epoch
-        # replica id -> whether it is of this cache epoch (`_in_epoch`)
-        self._same_epoch: dict[str, bool] = {}
-        # promoted blocks no load has used yet, and whether each came from this node
-        self._promoted: dict[OffloadKey, bool] = {}
-        # blocks handed to loads so far, by where they came from
-        self.blocks_loaded = {"local": 0, "same_node": 0, "cross_node": 0}
-        self._promotion_ctx = ReqContext(req_id="distkv-promotion")
-        # Counts for metrics and `distkv status` (see stats). A lookup that starts a
-        # promotion is counted when the promotion ends: a remote hit if it succeeded, else
-        # a miss. Floats (exact to 2**53), because CPython reuses freed floats while each
-        # int past 256 is a new allocation, on the hot path (docs/benchmarks.md).
-        self.lookups_local_hit = 0.0
-        self.lookups_remote_hit = 0.0
-        self.lookups_miss = 0.0
-        self.lookups_retry = 0.0
-        # blocks the local manager stored for promotions; the rest the engine stored
-        self._promoted_stored = 0
-        self.stores_rejected = 0
         self.errors = ErrorLog()
+        self._inflight = PromotionsInFlight(promotion_timeout_s, self.errors)
+        self._promoting = self._inflight.promoting  # never replaced: the hot path reads it
+        self._scans = ScanRounds(promotion_timeout_s + OVERDUE_GRACE_S)
+        self._replica_name = link.info.replica_id  # the id of epoch 0
+        self.epoch = CacheEpoch(link.info.cache_epoch, link.replica)
+        self._loads = LoadSources()
+        self.blocks_loaded = self._loads.loaded  # blocks handed to loads, by where they came from
+        # Counts for `replica_stats`; a lookup that starts a promotion counts when it ends.
+        # Floats (exact to 2**53): CPython reuses freed floats, while each int past 256 is
+        # a new allocation, on the hot path (docs/benchmarks.md).
+        self.lookups_local_hit = self.lookups_remote_hit = self.lookups_miss = self.lookups_retry = 0.0
+        self._promoted_stored = 0  # blocks the local manager stored for promotions
+        self.stores_rejected = 0
         self.closed = False
 
     # ---- the hot path ----------------------------------------------------------------
@@ -178,23 +142,18 @@ class ClusterOffloadingManager(OffloadingManager):
         return SEED_LOOKUP_ANSWERS[self.lookup_result(key, req_context)]
 
     def lookup_result(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
-        """Whether one block can be loaded here: HIT when it is ready in this replica's pool;
-        HIT_PENDING while this replica's own store of it is in flight; RETRY while it is
-        being promoted from another replica (this call may start the promotion), until it
-        ends in HIT or MISS; MISS when no replica of this cache epoch can provide it now.
-
-        A request whose lookup answered HIT_PENDING or RETRY keeps the blocks its scan
-        found protected until it is admitted (see the class docstring). Raises ValueError
-        for a key that is not an OffloadKey.
-        """
-        # As few steps as Python allows: a promotion in flight always has a local block,
-        # so a key without one needs only the view.
+        """HIT when the block is ready in this pool; HIT_PENDING while this replica's own
+        store of it is in flight; RETRY while it is promoted from another replica (this
+        call may start that), until HIT or MISS; MISS when no replica of this cache epoch
+        can provide it now. ValueError for a key that is not an OffloadKey."""
+        # As few steps as Python allows: a promotion in flight has a local block, so a key
+        # without one needs only the view.
         try:
             block = self._blocks.get(key)
         except TypeError:  # unhashable, so not bytes
             raise ValueError(key_problem(key)) from None
         if block is not None:
-            block.seen = self._round
+            block.seen = self._scans.round
             if block.refs >= 0:
                 self.lookups_local_hit += 1.0
                 return HIT
@@ -202,10 +161,10 @@ class ClusterOffloadingManager(OffloadingManager):
         if key not in self._view:  # `in` costs no call, and this is the common miss
             if type(key) is not bytes or not MIN_KEY_BYTES <= len(key) <= MAX_KEY_BYTES:
                 raise ValueError(key_problem(key))
-            link = self.link
-            if link.queried and link.ask(key, self.block_shard(key, req_context) if self._num_shards > 1 else 0):
+            ask = self.link.ask
+            if ask is not None and ask(key, self.placement.shard(key, req_context) if self._num_shards > 1 else 0):
                 self.lookups_retry += 1.0
-                self._defer(req_context)
+                self._scans.defer(req_context.req_id)
                 return RETRY
             self.lookups_miss += 1.0
             return MISS
@@ -214,7 +173,7 @@ class ClusterOffloadingManager(OffloadingManager):
         if result is MISS:
             self.lookups_miss += 1.0
         else:
-            self._defer(req_context)
+            self._scans.defer(req_context.req_id)
         return result
 
     def _lookup_in_flight(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
@@ -229,30 +188,30 @@ class ClusterOffloadingManager(OffloadingManager):
             return HIT
         if hit is None:
             self.lookups_retry += 1.0
-            self._defer(req_context)
+            self._scans.defer(req_context.req_id)
             return RETRY if key in self._promoting else HIT_PENDING
         self.lookups_miss += 1.0  # its promotion just failed
         return MISS
 
     def provides(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
-        """lookup_result for an owner that promotes on load (distkv.replica.tier): a block only
-        replicas of this cache epoch hold is a HIT and nothing starts (`promote` starts it
-        when a load asks), a MISS if its promotion failed within promotion_timeout_s."""
+        """lookup_result for an owner that promotes on load (the tier): a block only replicas
+        of this epoch hold is a HIT that starts nothing (`promote` does), a MISS if its
+        promotion failed within promotion_timeout_s."""
         try:
             elsewhere = key in self._view and key not in self._blocks
         except TypeError:  # unhashable: lookup_result names the bad key
             elsewhere = False
         if not elsewhere:
             return self.lookup_result(key, req_context)
-        if self._in_epoch(self._view.get(key, ())) and not (self._failed and self._failed.get(key, 0.0) > time.monotonic()):
+        failed = self._inflight.failed
+        if self.epoch.in_epoch(self._view.get(key, ())) and not (failed and failed.get(key, 0.0) > time.monotonic()):
             return HIT  # counted when its promotion ends, as lookup_result counts it
         self.lookups_miss += 1.0
         return MISS
 
     def promote(self, key: OffloadKey, req_context: ReqContext) -> bool:
         """Start promoting `key`, absent here, for the request of `req_context`: whether it
-        started. Its block is then in flight until the promotion ends: ready, or gone if it
-        failed. One that cannot start (no holder, a recent failure, no row) is a miss."""
+        started (its block is in flight until it ends). One that cannot start is a miss."""
         holders = self._view.get(key)
         if holders and key not in self._blocks and self._promote(key, holders, req_context) is RETRY:
             return True
@@ -261,11 +220,8 @@ class ClusterOffloadingManager(OffloadingManager):
 
     def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> LoadStoreSpec:
         spec = self.local.prepare_load(keys, req_context)
-        if self._waiting:
-            self._waiting.pop(req_context.req_id, None)  # admitted: its load pins what it uses
-        for key in keys:
-            same_node = self._promoted.pop(key, None)
-            self.blocks_loaded["local" if same_node is None else "same_node" if same_node else "cross_node"] += 1
+        self._scans.admitted(req_context.req_id)  # its load pins what it uses
+        self._loads.load(keys)
         return spec
 
     def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
@@ -275,72 +231,55 @@ class ClusterOffloadingManager(OffloadingManager):
         self.local.complete_load(keys, req_context)
 
     def prepare_store(self, keys: Collection[OffloadKey], req_context: ReqContext) -> PrepareStoreOutput | None:
-        if self.promoter.has_finished():
-            self._apply_promotions()
-        if self._promoting:
-            self._fail_overdue()
-        if self._waiting:
-            self._waiting.pop(req_context.req_id, None)
-        self._next_round()
-        if self.dedupe:
-            check_keys(keys)
-            keys = [k for k in keys if not self._held_in_epoch(k)]
+        self._apply_finished()
+        self._scans.admitted(req_context.req_id)
+        self._scans.next_round()
         out = self.local.prepare_store(keys, req_context)
         if out is None:
             self.stores_rejected += 1
         elif self._num_shards > 1 and out.keys_to_store:
-            self._place(out.keys_to_store, req_context)
-        self._forward_events()
+            blocks = self._blocks
+            for key, shard in zip(out.keys_to_store, self.placement.shards(out.keys_to_store, req_context)):
+                blocks[key].shard = shard
+        self._take_local_events()
         return out
 
     def complete_store(self, keys: Collection[OffloadKey], req_context: ReqContext, success: bool = True) -> None:
         self.local.complete_store(keys, req_context, success)
-        self._forward_events()
+        self._take_local_events()
 
     def take_events(self) -> Iterable[OffloadingEvent]:
-        if self.promoter.has_finished():
-            self._apply_promotions()
-        if self._promoting:
-            self._fail_overdue()
+        self._apply_finished()
         events, self._events = self._events, []
         return events
 
     def reset_cache(self) -> None:
         # Running promotions keep writing their reserved rows: abandoned, their rows stay
         # retired until the Promoter reports them. No waiting on the scheduler's thread.
-        self._abandoned.update(self._promoting)
-        self._promoting.clear()
-        self._next_overdue = math.inf
-        self.local.reset_cache()
-        self._failed.clear()
-        self._promoted.clear()
-        self._forward_events()  # the removals go out under the old epoch's id
-        self.cache_epoch += 1
-        self._same_epoch.clear()
+        self._inflight.abandon_all()
+        self.local.reset_cache()  # the removals go out under the old epoch's id
+        self._take_local_events()
+        epoch = self.epoch.advance()
         self.link.set_info(
-            dataclasses.replace(
-                self.link.info, replica_id=epoch_replica_id(self._replica_name, self.cache_epoch), cache_epoch=self.cache_epoch
-            )
+            dataclasses.replace(self.link.info, replica_id=epoch_replica_id(self._replica_name, epoch), cache_epoch=epoch)
         )
 
     def expect_step_ends(self) -> None:
-        """The owner calls end_step at the end of every scheduler step from now on, so that
-        the Directory is asked about a step's misses then, in one call per shard."""
+        """The owner calls end_step at the end of every scheduler step from now on."""
         self.link.expect_step_ends()
 
     def end_step(self) -> None:
-        """The scheduler's step ended (its last call): the Directory is asked about the
-        step's misses now, one call per shard, instead of after a delay."""
+        """The scheduler's step ended: the Directory is asked about its misses now."""
         self.link.end_step()
 
     def request_finished(self, req_context: ReqContext) -> None:
         """The request ended: the blocks it found are no longer protected for it."""
-        self._waiting.pop(req_context.req_id, None)
+        self._scans.admitted(req_context.req_id)
 
     def on_reset_flushed(self) -> None:
-        """The engine's jobs in flight at the last reset_cache have all ended: their rows are
-        free again (abandoned promotions' rows wait for the Promoter's reports)."""
-        self.local.on_reset_flushed(self._abandoned)
+        """The engine's jobs in flight at the last reset_cache have ended: their rows are
+        free (abandoned promotions' wait for the Promoter's reports)."""
+        self.local.on_reset_flushed(self._inflight.abandoned)
 
     def shutdown(self) -> None:
         self.promoter.close()
@@ -349,250 +288,82 @@ class ClusterOffloadingManager(OffloadingManager):
         self.local.shutdown()
         self.closed = True
 
-    # ---- counts ----------------------------------------------------------------------
-
     @property
-    def blocks_stored(self) -> int:
-        """Blocks the engine stored here; promoted blocks are counted by the promoter."""
+    def blocks_stored(self) -> int:  # the engine's: the promoter counts promoted blocks
         return self.local.blocks_stored - self._promoted_stored
-
-    def stats(self) -> ReplicaStats:
-        """This replica's counts since it started: what `distkv status` shows and the
-        metrics exporter exports. Safe to call from any thread: it only reads ints and
-        copies small dicts."""
-        local, promoter, info = self.local, self.promoter, self.link.info
-        self.errors.sync("store_rejected", self.stores_rejected, "prepare_store found no free or evictable row")
-        errors, recent = merge_errors((self.errors, promoter.errors, self.link.errors))
-        row_bytes = info.num_ranks * info.slot_bytes
-        return ReplicaStats(
-            namespace=self.link.namespace,
-            replica=info.replica_id,
-            node=info.node_id,
-            time=time.time(),
-            lookups=LookupCounts(
-                local_hit=int(self.lookups_local_hit),
-                remote_hit=int(self.lookups_remote_hit),
-                miss=int(self.lookups_miss),
-                retry=int(self.lookups_retry),
-            ),
-            promotions=PromotionCounts(
-                started=dict(promoter.started),
-                succeeded=dict(promoter.succeeded),
-                failed=dict(promoter.failed),
-                bytes={"same_node": promoter.bytes_same_node, "cross_node": promoter.bytes_cross_node},
-                in_flight=len(self._promoting),
-                transports={
-                    name: TransportCounts(int(blocks), int(nbytes), seconds)
-                    for name, (blocks, nbytes, seconds) in list(promoter.transported.items())
-                },
-                transport_rates=promoter.transport.rates(),
-            ),
-            blocks=BlockCounts(stored=self.blocks_stored, evicted=local.blocks_evicted, loaded=dict(self.blocks_loaded)),
-            pool=PoolUsage(
-                rows=local.num_rows,
-                free_rows=local.num_free_rows,
-                used_bytes=(local.num_rows - local.num_free_rows) * row_bytes,
-                capacity_bytes=local.num_rows * row_bytes,
-            ),
-            errors=errors,
-            recent_errors=tuple(recent),
-            mode=self.mode,
-        )
-
-    def drain_observations(self) -> Observations:
-        """The promotion latencies, Directory event lags and query times observed since the
-        last call (each goes to one caller: the metrics exporter). Safe to call from any thread."""
-        link = self.link
-        return Observations(_drain(self.promoter.latencies), _drain(link.event_lags), _drain(link.query_times))
-
-    # ---- promotion -------------------------------------------------------------------
 
     @property
     def promotions_in_flight(self) -> int:
         return len(self._promoting)
 
-    # ---- placement -------------------------------------------------------------------
+    @property
+    def cache_epoch(self) -> int:
+        return self.epoch.epoch
 
-    def block_shard(self, key: OffloadKey, req_context: ReqContext) -> int:
-        """The Directory shard of `key` of the request of `req_context`: its placement
-        root's when the key ends at or past the root, so that every replica keeps a whole
-        shared prefix on one shard; else (no root yet, no position, a key before the root)
-        the key's own."""
-        root = self._root(req_context)
-        if root is not None:
-            end = req_context.get_offload_key_position(key)
-            if end is not None and end >= root.end:
-                return root.shard
-        return shard_of(key, self._num_shards)
+    def stats(self) -> ReplicaStats:
+        """This replica's counts since it started (`replica_stats`)."""
+        return replica_stats(self)
 
-    def _root(self, req_context: ReqContext) -> _PlacementRoot | None:
-        """The request's placement root, found once and kept in its state. None is not
-        kept: a request reaches its first chunk later when it grows by decoding."""
-        root = req_context.get_state(_PlacementRoot)
-        if root is None:
-            found = self.request_root(req_context)
-            if found is None:
-                return None
-            key, end = found
-            root = _PlacementRoot(shard_of(key, self._num_shards), end)
-            req_context.set_state(root)
-        return root
+    def drain_observations(self) -> Observations:
+        """The observations since the last call (`replica_stats.drain_observations`)."""
+        return drain_observations(self)
 
-    def _place(self, keys: list[OffloadKey], req_context: ReqContext) -> None:
-        """Note on the new blocks of `keys` the shard of each (`block_shard`)."""
-        blocks, num_shards = self._blocks, self._num_shards
-        root = self._root(req_context)
-        if root is None:
-            for key in keys:
-                blocks[key].shard = shard_of(key, num_shards)
-            return
-        position = req_context.get_offload_key_position
-        for key in keys:
-            end = position(key)
-            blocks[key].shard = root.shard if end is not None and end >= root.end else shard_of(key, num_shards)
-
-    def _held_in_epoch(self, key: OffloadKey) -> bool:
-        """Whether another replica of this cache epoch holds `key`: one this replica can promote."""
-        return self._in_epoch(self.link.holders(key))
-
-    def _in_epoch(self, holders: Iterable) -> bool:
-        """Whether a replica of this cache epoch is among `holders`. An id names one epoch for
-        good (`epoch_replica_id`): its answer is kept until this replica's epoch changes."""
-        known = self._same_epoch
-        for holder in holders:
-            same = known.get(holder.replica_id)
-            if same is None:
-                info = self.link.replica(holder.replica_id)
-                if info is None:
-                    continue
-                if len(known) >= MAX_REPLICA_EPOCHS:
-                    known.clear()
-                same = known[holder.replica_id] = info.cache_epoch == self.cache_epoch
-            if same:
-                return True
-        return False
-
-    def _defer(self, req_context: ReqContext) -> None:
-        """The request's scan answered retry: keep what it found until it is admitted."""
-        lapses = time.monotonic() + self.promotion_timeout_s + OVERDUE_GRACE_S
-        self._waiting[req_context.req_id] = (self._round, lapses)
-
-    def _next_round(self) -> None:
-        """Start a new scan round: protect what lookups find from now on, and what deferred
-        requests found since their latest scan."""
-        self._round += 1
-        protect_from = self._round
-        if self._waiting:
-            now = time.monotonic()
-            for req_id, (found_in, lapses) in list(self._waiting.items()):
-                if lapses <= now:
-                    del self._waiting[req_id]  # its promotions have ended: a rescan decides
-                elif found_in < protect_from:
-                    protect_from = found_in
-        self._protect_from = protect_from
-
-    def _fail_overdue(self) -> None:
-        """Abandon, as misses, the promotions the Promoter has not reported in time."""
-        now = time.monotonic()
-        if now < self._next_overdue:
-            return
-        overdue = []
-        self._next_overdue = math.inf
-        for key, overdue_at in self._promoting.items():
-            if overdue_at > now:
-                self._next_overdue = overdue_at
-                break
-            overdue.append(key)
-        if not overdue:
-            return
-        logger.warning("distkv: %d promotions not reported by their deadline, failed as misses", len(overdue))
-        self.errors.add("promotion_timeout", f"{len(overdue)} promotion(s) the promoter never reported", len(overdue))
-        for key in overdue:
-            del self._promoting[key]
-            self._failed[key] = now + self.promotion_timeout_s
-        self._abandoned.update(overdue)
-        self.local.retire(overdue)
-        self.lookups_miss += len(overdue)
+    # ---- promotion -------------------------------------------------------------------
 
     def _promote(self, key: OffloadKey, holders, req_context: ReqContext) -> LookupResult:
-        """Start promoting `key` from `holders` for the request of `req_context` (whose
-        prefix places it): RETRY, or MISS where it cannot start."""
+        """The one place that decides whether `key`, held by `holders`, is promoted for the
+        request of `req_context` (whose prefix places it): RETRY, the promotion started;
+        MISS where it cannot start (a recent failure, no row), and the engine computes it."""
         now = time.monotonic()
-        failed_until = self._failed.get(key)
-        if failed_until is not None:
-            if failed_until > now:
-                return MISS
-            del self._failed[key]
-        out = self.local.prepare_store([key], self._promotion_ctx, protect_from=self._protect_from)
-        self._forward_events()
+        if self._inflight.failed_until(key, now):
+            return MISS
+        out = self.local.prepare_store([key], self._promotion_ctx, spare=self._scans.spares)
+        self._take_local_events()
         if out is None or not out.keys_to_store:
             return MISS  # no room: compute it instead
         if self._num_shards > 1:
-            self._blocks[key].shard = self.block_shard(key, req_context)
+            self._blocks[key].shard = self.placement.shard(key, req_context)
         spec = out.store_spec
         deadline = now + self.promotion_timeout_s
-        if not self._promoting:
-            self._next_overdue = deadline + OVERDUE_GRACE_S
-        self._promoting[key] = deadline + OVERDUE_GRACE_S
+        self._inflight.started(key, deadline)
         self.promoter.submit(
-            Promotion(key, int(spec.block_ids[0]), int(spec.generations[0]), holders, deadline, cache_epoch=self.cache_epoch)
+            Promotion(key, int(spec.block_ids[0]), int(spec.generations[0]), holders, deadline, cache_epoch=self.epoch.epoch)
         )
         return RETRY
 
+    def _apply_finished(self) -> None:
+        """Apply the promotions the Promoter reported, and fail the overdue ones."""
+        if self.promoter.has_finished():
+            self._apply_promotions()
+        if self._promoting:
+            self._fail_overdue()
+
+    def _fail_overdue(self) -> None:
+        """Abandon, as misses, the promotions the Promoter has not reported in time."""
+        overdue = self._inflight.overdue(time.monotonic())
+        if overdue:
+            self.local.retire(overdue)
+            self.lookups_miss += len(overdue)
+
     def _apply_promotions(self) -> None:
-        retry_at = time.monotonic() + self.promotion_timeout_s
-        succeeded, failed, ended = [], [], []
-        for key, ok, same_node in self.promoter.finished():
-            if self._promoting.pop(key, None) is None:
-                self._abandoned.discard(key)
-                ended.append(key)
-                continue
-            (succeeded if ok else failed).append(key)
-            if ok:
-                self._promoted[key] = same_node
+        now = time.monotonic()
+        succeeded, failed, ended = self._inflight.sort(self.promoter.finished())
         if ended:  # abandoned: their retired rows are free again, whatever the outcome
             self.local.complete_store(ended, self._promotion_ctx, success=False)
         self.lookups_remote_hit += len(succeeded)
         self.lookups_miss += len(failed)
         if succeeded:
+            self._loads.promoted(succeeded)
             stored = self.local.blocks_stored
-            self.local.complete_store(succeeded, self._promotion_ctx, success=True)
-            if self.local.landed:
-                self.link.promoted(self.local.landed)
-                self.local.landed = []
+            self.local.complete_store([key for key, _ in succeeded], self._promotion_ctx, success=True)
             self._promoted_stored += self.local.blocks_stored - stored
         if failed:
             self.local.complete_store(failed, self._promotion_ctx, success=False)
-            if len(self._failed) > MAX_FAILED_KEYS:  # keep it bounded: forget what expired
-                now = time.monotonic()
-                self._failed = {k: t for k, t in self._failed.items() if t > now}
-            for key in failed:
-                self._failed[key] = retry_at
-        self._forward_events()
+            self._inflight.fail(failed, now)
+        self._take_local_events()
 
-    # ---- events ----------------------------------------------------------------------
-
-    def _forward_events(self) -> None:
-        """Pass the local manager's events on to vLLM and, as holder updates, to the Directory."""
-        local = self.local
-        # Landed blocks first: among one call's changes a key may land and then go, never
-        # the other way round.
-        if local.landed:
-            self.link.ready(local.landed)
-            local.landed = []
-        if local.dropped:
-            self.link.dropped(local.dropped)
-            local.dropped = []
-        for event in local.take_events():
+    def _take_local_events(self) -> None:
+        for event in self.local.take_events():
             self._events.append(event)
             if event.removed:
-                for key in event.keys:
-                    self._promoted.pop(key, None)
-
-
-def _drain(observations: collections.deque) -> list:
-    """Everything in `observations` now, oldest first; what its owner appends meanwhile stays."""
-    drained = []
-    while observations:
-        drained.append(observations.popleft())
-    return drained
+                self._loads.removed(event.keys)

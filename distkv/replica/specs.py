@@ -8,31 +8,20 @@ derive the replica's plan (ReplicaPlan) from a KVIdentity filled from their conf
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import uuid
-from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from collections.abc import Iterator
+from typing import Any
 
-from distkv.abstract import CanonicalKVCaches, LoadStoreSpec, OffloadingHandler, OffloadingSpec
-from distkv.config import DistkvConfig, KVIdentity, cache_namespace, model_settings, namespace_inputs
+from distkv.abstract import CanonicalKVCaches, LoadStoreSpec, OffloadingHandler, OffloadingManager, OffloadingSpec
+from distkv.config import KVIdentity, model_settings
 from distkv.storage.handlers import make_handlers
+from distkv.replica.join import join_cluster
 from distkv.replica.local_manager import LocalOffloadingManager
-from distkv.names import replica_name, segment_name
-from distkv.storage.pool import HostPool, PoolLayout
-
-if TYPE_CHECKING:
-    from distkv.replica.cluster_manager import ClusterOffloadingManager
-    from distkv.transfer.endpoint_seal import EndpointSeal
-    from distkv.transfer.transport import NodeTransports, Transport
+from distkv.replica.plan import ReplicaPlan
+from distkv.storage.pool import HostPool
 
 logger = logging.getLogger(__name__)
-
-# How long a joining replica waits for the Directory's view before it serves without it:
-# long enough for a fresh cluster's shards to start, short enough that a Directory that is
-# down does not keep the replica from serving (its view then fills in the background).
-DIRECTORY_SYNC_TIMEOUT_S = 10.0
 
 
 def engine_id_of(vllm_config: Any) -> str:
@@ -54,193 +43,6 @@ def _attr(obj: Any, path: str, default: Any = None) -> Any:
         if obj is None:
             return default
     return obj
-
-
-@dataclass(frozen=True)
-class ReplicaPlan:
-    """What every process of one replica derives alike from its configuration.
-
-    The scheduler and each worker compute it on their own; equal inputs give the same
-    pool name and layout, so they meet in the same shared memory.
-    """
-
-    config: DistkvConfig
-    layout: PoolLayout
-    namespace: str
-    replica_id: str
-    pool_name: str
-    # what the namespace digests, with the tenant salt
-    identity: KVIdentity
-
-    @classmethod
-    def derive(
-        cls,
-        extra_config: Mapping[str, Any],
-        kv_identity: KVIdentity,
-        block_bytes_per_rank: int,
-        num_ranks: int,
-        engine_id: str,
-    ) -> "ReplicaPlan":
-        """kv_identity: what makes KV bytes interchangeable, digested into the namespace
-        with the tenant salt; block_bytes_per_rank: bytes one worker stores per offloaded block."""
-        config = DistkvConfig.from_extra_config(extra_config)
-        layout = PoolLayout.for_capacity(config.cpu_bytes_to_use, num_ranks, block_bytes_per_rank)
-        namespace = cache_namespace(kv_identity, config.tenant_salt)
-        replica_id = replica_name(engine_id)
-        return cls(config, layout, namespace, replica_id, segment_name(namespace, replica_id), kv_identity)
-
-
-def node_transports(mode: str, pool: HostPool, object_store: "Transport", seal: "EndpointSeal") -> "NodeTransports":
-    """The replica's transports for `transport` = mode: NIXL's too unless "object_store",
-    reading the holders whose endpoints `seal` opens.
-
-    "nixl" stops the replica at start when NIXL cannot be used, with the cause and the fix;
-    "auto" then reads through the object store and logs why, once.
-    """
-    from distkv.transfer.rdma import NixlAgent, RdmaUnavailable
-    from distkv.transfer.transport import NixlTransport, NodeTransports
-
-    nixl = None
-    if mode != "object_store":
-        try:
-            nixl = NixlTransport(pool, NixlAgent(), seal)
-        except RdmaUnavailable as e:
-            if mode == "nixl":
-                raise ValueError(f"kv_connector_extra_config 'transport'='nixl': {e}") from e
-            logger.warning("distkv: transport 'auto' reads other nodes through the object store only: %s", e)
-    return NodeTransports(object_store, nixl, mode)
-
-
-def joining_view(view: str, shard: Any) -> str:
-    """The `view` a joining replica's DirectoryLink starts with, for `directory_view` = view.
-
-    "auto" queries at once when the namespace has AUTO_PUSH_MAX_REPLICAS replicas registered
-    already, so that it would have more with this one (`shard` is one of its shard actors:
-    every replica registers with each), or when the Directory does not say: following would start with a snapshot of every
-    block, the cost that querying avoids at scale, while a small namespace that queries only
-    waits one round trip on a miss. Else it follows, and switches to querying for good once
-    its view shows the namespace grew past the bound.
-    """
-    if view != "auto":
-        return view
-    import ray
-
-    from distkv.directory.link import AUTO_PUSH_MAX_REPLICAS
-
-    try:
-        registered = ray.get(shard.stats.remote(), timeout=DIRECTORY_SYNC_TIMEOUT_S)["replicas"]
-    except Exception as e:
-        logger.warning("distkv: the Directory did not say how many replicas it has (%s): querying it on misses", e)
-        return "query"
-    return "query" if registered >= AUTO_PUSH_MAX_REPLICAS else "auto"
-
-
-def join_cluster(
-    plan: ReplicaPlan, pool: HostPool, local: LocalOffloadingManager, mode: str = "spec"
-) -> "ClusterOffloadingManager":
-    """The replica's manager in its Ray cluster.
-
-    Joins the cluster (`ray_address`; none starts an embedded local Ray), makes sure this
-    node's NodeAgent runs (a queried link publishes through it), registers the replica with
-    the Directory, waits (up to DIRECTORY_SYNC_TIMEOUT_S) for the Directory's view, so that
-    the replica's first lookups already find what other replicas hold, and wraps `local`.
-    `pool` is the scheduler's mapping of the replica's pool: it claims the replica's name
-    until it closes, and a ValueError says so if a live replica on this node has it.
-    `mode`: how the engine uses the replica ("spec", or "tier": distkv.vllm_tier), as
-    `distkv status` shows it.
-
-    This is where the library meets Ray's actors (`ray_actors`): it creates them and
-    hands their handles to the plain classes, which never import them.
-    """
-    if not pool.claim():
-        raise ValueError(
-            f"replica {plan.replica_id!r}: another live replica on this node already runs under this "
-            f"kv_transfer_config.engine_id (its pool {pool.name} is claimed); give each replica its own engine_id"
-        )
-    import ray
-
-    from distkv.transfer.endpoint_seal import EndpointSeal
-    from distkv.names import RAY_NAMESPACE
-    from distkv.transfer.transport import ObjectStoreTransport
-    from ray_actors.namespace_secret import namespace_secret
-    from ray_actors.node_agent import AgentFetch, start_node_agent
-
-    config = plan.config
-    if not ray.is_initialized():
-        ray.init(address=config.ray_address, namespace=RAY_NAMESPACE)
-    logger.info(
-        "distkv: replica %s joins cache namespace %s of %s",
-        plan.replica_id, plan.namespace, namespace_inputs(plan.identity, config.tenant_salt),
-    )
-    seal = EndpointSeal(plan.namespace, namespace_secret(plan.namespace), config.tenant_salt)
-    transport = node_transports(config.transport, pool, ObjectStoreTransport(pool, AgentFetch(plan.namespace)), seal)
-    # what is started, closed (the last first) should a later step fail: else the NIXL
-    # agent and the threads of the transports, the link and the Promoter outlive the failure
-    with contextlib.ExitStack() as started:
-        started.callback(transport.close)
-        node_id = ray.get_runtime_context().get_node_id()
-        agent = start_node_agent(node_id)
-        ray.get(agent.node_id.remote())
-        manager = _join(plan, pool, local, transport, seal, node_id, agent, started, mode)
-        started.pop_all()
-        return manager
-
-
-def _join(
-    plan: ReplicaPlan,
-    pool: HostPool,
-    local: LocalOffloadingManager,
-    transport: "NodeTransports",
-    seal: "EndpointSeal",
-    node_id: str,
-    agent: Any,
-    started: contextlib.ExitStack,
-    mode: str,
-) -> "ClusterOffloadingManager":
-    """join_cluster's steps once this node's agent runs: what they start goes on `started`."""
-    from distkv.observability import metrics
-    from distkv.replica.cluster_manager import ClusterOffloadingManager
-    from distkv.directory.link import DirectoryLink, ReplicaInfo
-    from distkv.transfer.promotion import Promoter
-    from ray_actors.directory import shard_clients
-    from ray_actors.node_agent import agent_relay
-
-    config = plan.config
-    layout = plan.layout
-    info = ReplicaInfo(
-        plan.replica_id,
-        node_id,
-        plan.pool_name,
-        layout.num_rows,
-        layout.num_ranks,
-        layout.slot_bytes,
-        endpoint=None if transport.endpoint is None else seal.seal(plan.pool_name, transport.endpoint),
-    )
-    shards = shard_clients(plan.namespace, config.directory_shards)
-    relay = agent_relay(agent, plan.namespace, len(shards))
-    link = DirectoryLink(plan.namespace, info, shards, joining_view(config.directory_view, shards[0].actor), relay)
-    link.start()
-    started.callback(link.close)
-    if not link.wait_synced(DIRECTORY_SYNC_TIMEOUT_S):
-        logger.warning(
-            "distkv: replica %s starts without the Directory's view (not every shard answered within %s s); "
-            "until it arrives, blocks other replicas hold are misses",
-            plan.replica_id, DIRECTORY_SYNC_TIMEOUT_S,
-        )
-    promoter = Promoter(pool, node_id, link.replica, transport, namespace=plan.namespace)
-    started.callback(promoter.close)  # it closes the transport too (closing it again is harmless)
-    manager = ClusterOffloadingManager(
-        local,
-        link,
-        promoter,
-        store_policy=config.store_policy,
-        promotion_timeout_s=config.promotion_timeout_s,
-        mode=mode,
-    )
-    # goes to the Directory with the link's heartbeats, for `distkv status`: plain dicts, as the shards keep reports
-    link.report = lambda: manager.stats().to_dict()
-    metrics.register(metrics.ReplicaSource(manager))
-    return manager
 
 
 class LocalOffloadingSpec(OffloadingSpec):
@@ -321,5 +123,5 @@ class ClusterOffloadingSpec(LocalOffloadingSpec):
     the local spec.
     """
 
-    def get_manager(self) -> "ClusterOffloadingManager":
-        return join_cluster(self.plan, self.pool, super().get_manager())
+    def get_manager(self) -> OffloadingManager:
+        return join_cluster(self.plan, self.pool, generations=self.pool.reserve_generations)

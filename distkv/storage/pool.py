@@ -11,9 +11,9 @@ Slots of one rank are contiguous (rank-major) so that a worker pins only its own
 and consecutive rows coalesce into one copy.
 
 Every slot has a header (key, generation, checksum of its payload, the sub-blocks
-written) that any reader can validate. Writers zero the generation before touching the payload and write it
-last; a reader that sees the generation it expects before and after its copy, and a
-matching checksum, has read the block that was sealed, never a torn or reused one.
+written) that any reader can validate: the slot protocol (`distkv.storage.slots`), whose
+writer's side (`begin_write`, `seal`) and seqlocked readers (`sealed`, `read`) are here.
+Reading another replica's pool goes through `distkv.storage.readers`.
 
 The file itself (created and opened ours alone, locked by its members, removed by the
 last of them or by a reclaim) is `distkv.storage.segments`' business.
@@ -21,38 +21,46 @@ last of them or by a reclaim) is `distkv.storage.segments`' business.
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import fcntl
 import logging
 import mmap
 import os
 import struct
-import threading
-import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
 
 import numpy as np
-import xxhash
 
 from distkv.abstract import BlockIDsLoadStoreSpec, OffloadKey
 from distkv.storage.segments import (
     SHM_DIR,
-    UntrustedSegment,
     create_segment,
     lock_member,
     open_segment,
     reclaim_stale_segments,
     release_member,
 )
+from distkv.storage.slots import (
+    ALL_SUB_BLOCKS,
+    HEADER_BYTES,
+    KEY_OFFSET,
+    MAX_KEY_BYTES,
+    WORD_CHECKSUM,
+    WORD_FILLED,
+    WORD_GENERATION,
+    WORD_KEY_LEN,
+    WORD_NBYTES,
+    Sealed,
+    checksum,
+    copy_checksum,
+    parse_header,
+)
 
 logger = logging.getLogger(__name__)
 
 PAGE_BYTES = mmap.PAGESIZE
 MAGIC = b"DISTKV\x00\x02"
-HEADER_BYTES = 128
 # cudaHostRegister fails on very large ranges; pin in pieces of at most this size.
 MAX_PIN_BYTES = 64 << 30
 
@@ -63,83 +71,10 @@ _GENERATIONS_OFFSET = 48
 _GENERATIONS = struct.Struct("<Q")
 _ATTACHED_OFFSET = 64
 MAX_RANKS = PAGE_BYTES - _ATTACHED_OFFSET
-# header layout, as uint64 words: generation, checksum, nbytes, key_len, filled; key bytes follow
-_GEN, _SUM, _NBYTES, _KEYLEN, _FILLED = range(5)
-_HEADER_WORDS = struct.Struct("<5Q")
-_KEY_OFFSET = _HEADER_WORDS.size
-MAX_KEY_BYTES = HEADER_BYTES - _KEY_OFFSET
-# `filled` of a slot written whole: every sub-block
-ALL_SUB_BLOCKS = (1 << 64) - 1
-
-
-class Sealed(NamedTuple):
-    """What a slot's header says of the block sealed in it.
-
-    filled: bit i set for each sub-block i of the slot the block's writer wrote (the
-    handlers' unit: one GPU block of each ref); a reader may deliver no other sub-block.
-    """
-
-    nbytes: int
-    checksum: int
-    filled: int
 
 
 def page_align(nbytes: int) -> int:
     return -(-nbytes // PAGE_BYTES) * PAGE_BYTES
-
-
-def checksum(payload: np.ndarray) -> int:
-    """The checksum stored in slot headers: xxh3-64 of the payload bytes."""
-    return xxhash.xxh3_64_intdigest(memoryview(payload))
-
-
-# Copies that also hash go a chunk at a time, so that the hash reads the bytes the copy
-# just left in a core's L2 rather than from memory a second time: a chunk well inside
-# the L2 of the cores distkv runs on (docs/benchmarks.md).
-COPY_CHUNK_BYTES = 256 << 10
-
-
-def copy_checksum(out: np.ndarray, src: np.ndarray) -> int:
-    """Copy src (1-D uint8) into out and return the checksum of the bytes copied."""
-    hasher = xxhash.xxh3_64()
-    for start in range(0, len(src), COPY_CHUNK_BYTES):
-        chunk = out[start : start + COPY_CHUNK_BYTES]
-        chunk[:] = src[start : start + COPY_CHUNK_BYTES]
-        hasher.update(memoryview(chunk))
-    return hasher.intdigest()
-
-
-def parse_header(header: bytes, key: bytes, generation: int) -> Sealed | None:
-    """What a copy of a slot's header says of key@generation, or None if it names another
-    block. Only a copy the slot protocol vouches for means anything (HostPool.sealed,
-    check_landed)."""
-    sealed_generation, digest, nbytes, key_len, filled = _HEADER_WORDS.unpack_from(header)
-    if (
-        not generation
-        or sealed_generation != generation
-        or key_len != len(key)
-        or header[_KEY_OFFSET : _KEY_OFFSET + key_len] != key
-    ):
-        return None
-    return Sealed(nbytes, digest, filled)
-
-
-def check_landed(
-    header: bytes, generation_after: int, key: bytes, generation: int, payload: np.ndarray
-) -> Sealed | None:
-    """The slot protocol for a reader whose copy of a slot's header and payload landed in
-    no known order (one-sided RDMA): what the header says, if the copy is of key@generation.
-
-    `header` and `payload` came in one read, `generation_after` from a read of the slot's
-    generation issued once that one had completed. An unchanged generation across the two
-    means no writer touched the slot while the first was read (writers zero it first and
-    no generation comes back), so header and payload are of one block; the payload must
-    still match the checksum the header gives.
-    """
-    meta = parse_header(header, key, generation)
-    if meta is None or generation_after != generation or meta.nbytes > payload.nbytes:
-        return None
-    return meta if checksum(payload[: meta.nbytes]) == meta.checksum else None
 
 
 class PoolLoadStoreSpec(BlockIDsLoadStoreSpec):
@@ -368,7 +303,7 @@ class HostPool:
 
     def begin_write(self, rank: int, rows: np.ndarray) -> None:
         """Invalidate the headers of rows about to be overwritten, before any payload byte."""
-        self._words[rank, rows, _GEN] = 0
+        self._words[rank, rows, WORD_GENERATION] = 0
 
     def seal(
         self,
@@ -391,15 +326,15 @@ class HostPool:
             if len(key) > MAX_KEY_BYTES:
                 raise ValueError(f"key of {len(key)} bytes exceeds the header's {MAX_KEY_BYTES}")
             known = None if checksums is None else checksums[i]
-            words[row, _SUM] = checksum(self.payload[rank, row, :nbytes]) if known is None else known
-            words[row, _NBYTES] = nbytes
-            words[row, _FILLED] = ALL_SUB_BLOCKS if filled is None else filled[i]
-            words[row, _KEYLEN] = len(key)
-            self._headers[rank, row, _KEY_OFFSET : _KEY_OFFSET + len(key)] = np.frombuffer(key, dtype=np.uint8)
-            words[row, _GEN] = gen
+            words[row, WORD_CHECKSUM] = checksum(self.payload[rank, row, :nbytes]) if known is None else known
+            words[row, WORD_NBYTES] = nbytes
+            words[row, WORD_FILLED] = ALL_SUB_BLOCKS if filled is None else filled[i]
+            words[row, WORD_KEY_LEN] = len(key)
+            self._headers[rank, row, KEY_OFFSET : KEY_OFFSET + len(key)] = np.frombuffer(key, dtype=np.uint8)
+            words[row, WORD_GENERATION] = gen
 
     def generation(self, rank: int, row: int) -> int:
-        return int(self._words[rank, row, _GEN])
+        return int(self._words[rank, row, WORD_GENERATION])
 
     def sealed(self, rank: int, row: int, key: bytes, generation: int) -> Sealed | None:
         """What the slot's header says of the block sealed as key@generation, or None.
@@ -415,10 +350,10 @@ class HostPool:
         if not generation:
             return None
         words = self._words[rank, row]
-        if words[_GEN] != generation:
+        if words[WORD_GENERATION] != generation:
             return None
         header = self._headers[rank, row].tobytes()
-        if words[_GEN] != generation:
+        if words[WORD_GENERATION] != generation:
             return None
         return parse_header(header, key, generation)
 
@@ -495,131 +430,3 @@ class HostPool:
         self.close()
 
 
-# Each asked-for row's metas, and the slots of the rows whose metas are not None, in the
-# order asked, as one (ranks, rows, slot_bytes) array (None when there are none): what a
-# NodeAgent's read answers.
-RowsRead = tuple[np.ndarray | None, list[list[Sealed] | None]]
-
-
-def read_rows(
-    pool: HostPool, rows: Sequence[int], keys: Sequence[OffloadKey], generations: Sequence[int]
-) -> RowsRead:
-    """The holder's side of a read from another node (a NodeAgent, from `PoolReaders`):
-    each row's metas as its headers said, and the slots of the rows sealed as
-    key@generation; a row that is not goes out as its None meta only.
-
-    The caller copies the array out (the NodeAgent: Ray, into the object store, as the
-    call's result). For consecutive rows of a one-rank pool the array is a view of the
-    pool, so the rows are copied once; others are gathered first (one contiguous array:
-    the object store's copy of many small arrays is several times slower). A row
-    rewritten after its header was read travels torn or as another block, and fails the
-    reader's check of every slot against the checksum in its meta: a miss, never data.
-    """
-    ranks = range(pool.layout.num_ranks)
-    metas: list[list[Sealed] | None] = []
-    for row, key, gen in zip(rows, keys, generations):
-        meta = [pool.sealed(rank, row, key, gen) for rank in ranks]
-        metas.append(None if None in meta else meta)
-    sealed = [row for row, meta in zip(rows, metas) if meta is not None]
-    if not sealed:
-        return None, metas
-    first = sealed[0]
-    if sealed == list(range(first, first + len(sealed))):
-        data = pool.payload[:, first : first + len(sealed)]
-        if not data.flags.c_contiguous:
-            data = np.ascontiguousarray(data)
-    else:
-        data = pool.payload[:, np.asarray(sealed, dtype=np.int64)]
-    return data, metas
-
-
-# how often the owner of a PoolReaders prunes it (closes the pools it no longer needs mapped)
-PRUNE_INTERVAL_S = 5.0
-
-
-class _Reading:
-    __slots__ = ("pool", "users", "last_used", "retired")
-
-    def __init__(self, pool: HostPool) -> None:
-        self.pool = pool
-        self.users = 0
-        self.last_used = time.monotonic()
-        self.retired = False
-
-
-class PoolReaders:
-    """Other replicas' pools, opened to read (`member=False`) and kept mapped between reads.
-
-    The one way to read another replica's pool: a NodeAgent serves other nodes from it,
-    the Promoter copies from it on the same node. Being no member, a reader never takes
-    the replica's lock, so closing a mapping never removes the segment: that stays the
-    business of the replica's own processes (or of a reclaim once they are gone).
-
-    Pools stay mapped because mapping one anew for every read costs a page fault per page
-    read and an munmap, about as much CPU again as copying the rows out
-    (docs/benchmarks.md). A pool whose segment was removed or replaced is closed at its
-    next read or by `prune`, as is one unread for `idle_s`, so that a mapping never keeps
-    a removed segment's memory for long. Thread-safe.
-    """
-
-    def __init__(self, idle_s: float = 30.0) -> None:
-        self.idle_s = idle_s
-        self._lock = threading.Lock()
-        self._open: dict[str, _Reading] = {}
-
-    @contextlib.contextmanager
-    def reading(self, name: str, layout: PoolLayout) -> Iterator[HostPool | None]:
-        """The pool `name`, mapped, for the duration of the block; None if there is no
-        such segment, it has another layout or it is not this user's alone."""
-        entry = self._acquire(name, layout)
-        if entry is None:
-            yield None
-            return
-        try:
-            yield entry.pool
-        finally:
-            with self._lock:
-                entry.users -= 1
-                entry.last_used = time.monotonic()
-                if entry.retired and not entry.users:
-                    entry.pool.close()
-
-    def _acquire(self, name: str, layout: PoolLayout) -> _Reading | None:
-        with self._lock:
-            entry = self._open.get(name)
-            if entry is not None and (entry.pool.layout != layout or entry.pool.replaced()):
-                self._retire(name)
-                entry = None
-            if entry is None:
-                try:
-                    pool = HostPool(name, layout, create=False, member=False)
-                except (FileNotFoundError, ValueError):
-                    return None
-                except UntrustedSegment as e:
-                    logger.warning("distkv: not reading pool %s: %s", name, e)
-                    return None
-                entry = self._open[name] = _Reading(pool)
-            entry.users += 1
-            return entry
-
-    def prune(self) -> None:
-        """Close the pools whose segment is gone or replaced, or that nobody read for idle_s."""
-        now = time.monotonic()
-        with self._lock:
-            for name, entry in list(self._open.items()):
-                if entry.pool.replaced() or now - entry.last_used > self.idle_s:
-                    self._retire(name)
-
-    def close(self) -> None:
-        with self._lock:
-            for name in list(self._open):
-                self._retire(name)
-
-    def __len__(self) -> int:
-        return len(self._open)
-
-    def _retire(self, name: str) -> None:
-        entry = self._open.pop(name)
-        entry.retired = True
-        if not entry.users:
-            entry.pool.close()

@@ -24,7 +24,8 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 from distkv.abstract import OffloadKey
-from distkv.storage.pool import ALL_SUB_BLOCKS, HostPool, copy_checksum
+from distkv.storage.slots import ALL_SUB_BLOCKS, copy_checksum
+from distkv.storage.pool import HostPool
 
 
 def check_chunks(pool: HostPool, primary: np.ndarray) -> None:

@@ -23,11 +23,13 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from distkv.abstract import OffloadKey
-from distkv.directory.link import Holder, ReplicaInfo
+from distkv.directory.records import Holder, ReplicaInfo
 from distkv.observability.errors import ErrorLog
 from distkv.observability.metrics import MAX_OBSERVATIONS
 from distkv.names import check_pool_namespace
-from distkv.storage.pool import PRUNE_INTERVAL_S, HostPool, PoolLayout, PoolReaders, Sealed
+from distkv.storage.readers import PRUNE_INTERVAL_S, PoolReaders
+from distkv.storage.pool import HostPool, PoolLayout
+from distkv.storage.slots import Sealed
 from distkv.transfer.transport import RowRead, Transfer, Transport
 
 logger = logging.getLogger(__name__)

@@ -28,9 +28,11 @@ from typing import Protocol
 import numpy as np
 
 from distkv.abstract import OffloadKey
-from distkv.directory.link import ReplicaInfo
+from distkv.directory.records import ReplicaInfo
 from distkv.transfer.endpoint_seal import EndpointSeal
-from distkv.storage.pool import HEADER_BYTES, HostPool, PoolLayout, RowsRead, Sealed, check_landed, copy_checksum
+from distkv.storage.slots import HEADER_BYTES, Sealed, check_landed, copy_checksum
+from distkv.storage.pool import HostPool, PoolLayout
+from distkv.storage.readers import RowsRead
 from distkv.transfer.rdma import NixlAgent, PoolEndpoint, ReadQueue
 
 logger = logging.getLogger(__name__)

@@ -25,7 +25,8 @@ from workload import (
     wait_until,
 )
 
-from distkv.directory.link import ReplicaInfo, pack
+from distkv.directory.records import ReplicaInfo
+from distkv.directory.wire import pack
 from distkv.directory.answer import decode_answer
 from distkv.replica.harness import block_keys
 from distkv.names import segment_name

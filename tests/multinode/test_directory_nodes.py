@@ -11,7 +11,10 @@ import ray
 from clusters import simulated_cluster
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from distkv.directory.link import DirectoryLink, ReplicaInfo, pack, shard_of
+from distkv.directory.link import DirectoryLink
+from distkv.directory.records import ReplicaInfo
+from distkv.directory.wire import pack
+from distkv.directory.placement import shard_of
 from distkv.names import segment_name
 from ray_actors.directory import get_or_create_shards, head_node_id, kill_shards, shard_clients, shard_nodes
 

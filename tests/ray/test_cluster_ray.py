@@ -16,7 +16,8 @@ from distkv.replica.harness import Replica, block_keys
 from distkv.names import RAY_NAMESPACE, SEGMENT_PREFIX, agent_name
 from distkv.replica.specs import ClusterOffloadingSpec
 from ray_actors.directory import get_or_create_shards, kill_shards
-from ray_actors.node_agent import PRUNE_INTERVAL_S, start_node_agent
+from distkv.storage.readers import PRUNE_INTERVAL_S
+from ray_actors.node_agent import start_node_agent
 
 BLOCK_TOKENS = 16
 PAGE_BYTES = 32 << 10

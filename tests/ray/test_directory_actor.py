@@ -8,18 +8,13 @@ from typing import NamedTuple
 import pytest
 import ray
 
-from distkv.directory.link import (
-    HEARTBEAT_INTERVAL_S,
-    PROMOTED_FLUSH_DELAY_S,
-    DirectoryLink,
-    Holder,
-    ReplicaInfo,
-    pack,
-    shard_of,
-    unpack,
-)
+from distkv.directory.publisher import HEARTBEAT_INTERVAL_S
+from distkv.directory.link import PROMOTED_FLUSH_DELAY_S, DirectoryLink
+from distkv.directory.records import Holder, ReplicaInfo
+from distkv.directory.wire import pack, unpack
+from distkv.directory.placement import shard_of
 from distkv.directory.answer import decode_answer
-from distkv.directory.state import MAX_CALL_KEYS, MAX_PAYLOAD_BYTES
+from distkv.directory.wire import MAX_CALL_KEYS, MAX_PAYLOAD_BYTES
 from distkv.names import NODE_WATCHER_NAME, RAY_NAMESPACE, segment_name, shard_name
 from distkv.directory.query_channel import QueryChannel
 from ray_actors.directory import (
@@ -47,7 +42,7 @@ def wait_for(predicate, timeout_s: float) -> float:
 
 
 class Block(NamedTuple):
-    """What `DirectoryLink.ready` and `promoted` read of a block."""
+    """What `DirectoryLink.stored_blocks` and `promoted_blocks` read of a block."""
 
     row: int
     generation: int
@@ -133,11 +128,11 @@ def test_promoted_blocks_are_published_late_unless_something_else_goes(make_link
     keys = new_keys(4)
     a.stored([(keys[0], 0, 1)])  # a just sent a batch: its next heartbeat is 0.5 s away
     wait_for(lambda: visible(b, keys[:1], "a"), 10)
-    a.promoted([(keys[1], Block(1, 2))])
+    a.promoted_blocks([(keys[1], Block(1, 2))])
     time.sleep(PROMOTED_FLUSH_DELAY_S / 2)
     assert not visible(b, keys[1:2], "a")  # held back...
     wait_for(lambda: visible(b, keys[1:2], "a"), 5)  # ...not for long
-    a.promoted([(keys[2], Block(2, 3))])
+    a.promoted_blocks([(keys[2], Block(2, 3))])
     a.stored([(keys[3], 3, 4)])  # goes at once, and takes the promoted block along
     wait_for(lambda: visible(b, keys[3:], "a"), 5)
     assert visible(b, keys[2:3], "a")

@@ -15,7 +15,8 @@ import ray
 
 pytest.importorskip("nixl")
 
-from distkv.directory.link import ReplicaInfo, unpack  # noqa: E402
+from distkv.directory.records import ReplicaInfo  # noqa: E402
+from distkv.directory.wire import unpack  # noqa: E402
 from distkv.transfer.endpoint_seal import EndpointSeal, new_secret  # noqa: E402
 from distkv.replica.harness import Replica, block_keys  # noqa: E402
 from distkv.replica.specs import ClusterOffloadingSpec  # noqa: E402

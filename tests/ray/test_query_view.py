@@ -10,9 +10,10 @@ import pytest
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from distkv.directory.link import ReplicaInfo, pack
+from distkv.directory.records import ReplicaInfo
+from distkv.directory.wire import pack
 from distkv.directory.answer import decode_answer
-from distkv.directory.state import shard_of
+from distkv.directory.placement import shard_of
 from distkv.replica.harness import Replica, block_keys
 from distkv.names import RAY_NAMESPACE, agent_name, segment_name
 from ray_actors.directory import get_or_create_shards, kill_shards
@@ -57,7 +58,7 @@ def relayed_publishes(namespace: str) -> int:
 def test_a_queried_replica_promotes_a_prefix_bit_exact_with_one_call_per_shard(replicas):
     salt = uuid.uuid4().hex
     a, b = replicas(salt, "query"), replicas(salt, "query")
-    assert b.manager.link.queried and not b.manager.link._followers  # no pushed view
+    assert b.manager.link.queried and type(b.manager.link._source).__name__ == "QueriedView"  # no pushed view
     tokens = prompt(1)
     assert a.serve(tokens).stored_blocks == 32
     keys = block_keys(tokens, BLOCK_TOKENS)
@@ -139,8 +140,8 @@ def test_pushed_and_queried_replicas_share_both_ways(replicas):
     pushed, queried = replicas(salt, "push"), replicas(salt, "query")
     assert not pushed.manager.link.queried and queried.manager.link.queried
     # the pushed replica publishes to the shards itself, the queried one through its node's agent
-    assert [type(p.client).__name__ for p in pushed.manager.link._publishers] == ["ShardActorClient"] * SHARDS
-    assert [type(p.client).__name__ for p in queried.manager.link._publishers] == ["RelayedShard"] * SHARDS
+    assert type(pushed.manager.link._path.path).__name__ == "DirectPublish"
+    assert type(queried.manager.link._path.path).__name__ == "RelayBatch"
 
     tokens = prompt(2)  # the pushed replica's, found by the queried one
     assert pushed.serve(tokens).stored_blocks == 32
@@ -161,7 +162,7 @@ def test_pushed_and_queried_replicas_share_both_ways(replicas):
 
 
 def test_auto_follows_a_small_namespace_and_queries_once_it_grows_past_the_bound(replicas, monkeypatch):
-    monkeypatch.setattr("distkv.directory.link.AUTO_PUSH_MAX_REPLICAS", 1)
+    monkeypatch.setattr("distkv.directory.views.AUTO_PUSH_MAX_REPLICAS", 1)
     salt = uuid.uuid4().hex
     first = replicas(salt, "auto")
     assert not first.manager.link.queried  # alone in its namespace: it follows

@@ -5,9 +5,10 @@ from concurrent.futures import Future
 
 import numpy as np
 
-from distkv.directory.link import Holder, ReplicaInfo
+from distkv.directory.records import Holder, ReplicaInfo
 from distkv.observability.errors import ErrorLog
-from distkv.storage.pool import HostPool, read_rows
+from distkv.storage.pool import HostPool
+from distkv.storage.readers import read_rows
 from distkv.transfer.promotion import layout_of
 
 
@@ -40,7 +41,7 @@ class FakeLink:
 
     namespace = "ns0"
     num_shards = 1
-    queried = False  # the view holds everything: nothing to ask
+    ask = None  # the view holds everything: nothing to ask
 
     def __init__(self, directory: FakeDirectory, info: ReplicaInfo):
         self.directory = directory
@@ -56,16 +57,16 @@ class FakeLink:
                 self.info.replica_id, self.info.node_id, row, gen
             )
 
-    def ready(self, blocks):
+    def stored_blocks(self, blocks):
         self.stored([(key, block.row, block.generation) for key, block in blocks])
 
-    promoted = ready  # published at once: no delay to stand in for
+    promoted_blocks = stored_blocks  # published at once: no delay to stand in for
 
     def removed(self, keys):
         for key in keys:
             self.directory.holders.get(key, {}).pop(self.info.replica_id, None)
 
-    def dropped(self, blocks):
+    def removed_blocks(self, blocks):
         self.removed([key for key, _ in blocks])
 
     def holders(self, key):

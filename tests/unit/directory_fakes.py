@@ -2,7 +2,8 @@
 
 from concurrent.futures import Future
 
-from distkv.directory.link import DirectoryState, unpack
+from distkv.directory.state import DirectoryState
+from distkv.directory.wire import unpack
 from distkv.directory.answer import encode_answer
 
 

@@ -15,7 +15,7 @@ from cluster_fakes import FakeDirectory, FakeLink, FunctionFetch, no_fetch
 
 from distkv.abstract import ReqContext
 from distkv.replica.cluster_manager import ClusterOffloadingManager
-from distkv.directory.link import ReplicaInfo
+from distkv.directory.records import ReplicaInfo
 from distkv.replica.harness import block_keys
 from distkv.replica.local_manager import LocalOffloadingManager
 from distkv.names import segment_name
@@ -79,7 +79,7 @@ def test_replay_on_the_cluster_manager_answers_as_recorded_and_publishes(recorde
     try:
         link = FakeLink(directory, ReplicaInfo("this", "node-a", pool.name, ROWS, 1, 4096))
         promoter = Promoter(pool, "node-a", link.replica, ObjectStoreTransport(pool, fetch=FunctionFetch(no_fetch)), namespace=link.namespace)
-        manager = ClusterOffloadingManager(LocalOffloadingManager(ROWS, recorded.policy), link, promoter)
+        manager = ClusterOffloadingManager(ROWS, link, promoter, policy=recorded.policy)
         try:
             trace.replay(recorded, trace.Subject("distkv cluster", manager, ReqContext))
             assert link.mine() == set(manager.local.ready_keys())

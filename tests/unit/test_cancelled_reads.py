@@ -20,11 +20,12 @@ from cluster_fakes import FakeDirectory, FakeLink
 from test_read_queue import WAIT_S, FakeAgent
 
 import distkv.replica.cluster_manager
+import distkv.replica.protection
 import distkv.transfer.promotion
 from distkv.abstract import ReqContext
-from distkv.replica.cluster_manager import OVERDUE_GRACE_S, ClusterOffloadingManager
-from distkv.directory.link import Holder, ReplicaInfo
-from distkv.replica.local_manager import LocalOffloadingManager
+from distkv.replica.inflight import OVERDUE_GRACE_S
+from distkv.replica.cluster_manager import ClusterOffloadingManager
+from distkv.directory.records import Holder, ReplicaInfo
 from distkv.names import segment_name
 from distkv.storage.pool import PAGE_BYTES, HostPool, PoolLayout
 from distkv.transfer.promotion import Promoter
@@ -78,6 +79,7 @@ def replica(monkeypatch):
     clock = types.SimpleNamespace(monotonic=lambda: now[0], perf_counter=time.perf_counter)
     monkeypatch.setattr(distkv.transfer.promotion, "time", clock)
     monkeypatch.setattr(distkv.replica.cluster_manager, "time", clock)
+    monkeypatch.setattr(distkv.replica.protection, "time", clock)
     namespace = "tcancel" + uuid.uuid4().hex[:8]
     pool = HostPool(segment_name(namespace, "local"), LAYOUT)
     directory = FakeDirectory()
@@ -90,7 +92,7 @@ def replica(monkeypatch):
     agent = NixlStandIn()
     transport = NixlTransport(pool, agent, seal, scratch_slots=8)
     promoter = Promoter(pool, "node-1", link.replica, transport, namespace=namespace)
-    manager = ClusterOffloadingManager(LocalOffloadingManager(1), link, promoter, promotion_timeout_s=TIMEOUT_S)
+    manager = ClusterOffloadingManager(1, link, promoter, promotion_timeout_s=TIMEOUT_S)
     try:
         yield manager, pool, agent, transport, now
     finally:

@@ -16,7 +16,8 @@ from distkv.abstract import ReqContext
 from cluster_fakes import FakeDirectory, FakeLink, PoolFetch
 
 from distkv.replica.cluster_manager import ClusterOffloadingManager
-from distkv.directory.link import ReplicaInfo
+from distkv.replica.dedupe import with_store_policy
+from distkv.directory.records import ReplicaInfo
 from distkv.replica.harness import Replica, block_keys
 from distkv.transfer.promotion import Promoter
 from distkv.transfer.transport import ObjectStoreTransport
@@ -36,9 +37,11 @@ class FakeClusterSpec(LocalOffloadingSpec):
         promoter = Promoter(
             self.pool, self.node_id, link.replica, ObjectStoreTransport(self.pool, self.fetch), namespace=self.namespace
         )
-        return ClusterOffloadingManager(
-            super().get_manager(), link, promoter, self.store_policy, self.timeout_s
+        cluster = ClusterOffloadingManager(
+            self.layout.num_rows, link, promoter,
+            policy=self.config.eviction_policy, generations=self.pool.reserve_generations, promotion_timeout_s=self.timeout_s,
         )
+        return with_store_policy(cluster, self.store_policy)
 
     def _layout_tuple(self):
         return self.layout.num_rows, self.layout.num_ranks, self.layout.slot_bytes
@@ -252,12 +255,16 @@ def test_lookup_of_a_bad_key_names_it_and_counts_nothing(replicas, key, problem)
 
 
 @pytest.mark.parametrize(
-    "kwargs, message",
-    [(dict(store_policy="sometimes"), "store_policy"), (dict(promotion_timeout_s=0), "promotion_timeout_s")],
+    "make, message",
+    [
+        (lambda: with_store_policy(None, store_policy="sometimes"), "store_policy"),
+        (lambda: ClusterOffloadingManager(1, link=None, promoter=None, promotion_timeout_s=0), "promotion_timeout_s"),
+    ],
+    ids=["store_policy", "promotion_timeout_s"],
 )
-def test_bad_options(kwargs, message):
+def test_bad_options(make, message):
     with pytest.raises(ValueError, match=message):
-        ClusterOffloadingManager(local=None, link=None, promoter=None, **kwargs)
+        make()
 
 
 def wait_lookup(replica, key, timeout=5.0):

@@ -8,12 +8,14 @@ the test makes, and the clock is the test's where deadlines matter.
 import pytest
 
 import distkv.replica.cluster_manager
+import distkv.replica.protection
+import distkv.replica.replica_stats
 from cluster_fakes import FakeDirectory, FakeLink
 from distkv.abstract import LookupResult, ReqContext
-from distkv.replica.cluster_manager import OVERDUE_GRACE_S, ClusterOffloadingManager
-from distkv.directory.link import ReplicaInfo
+from distkv.replica.inflight import OVERDUE_GRACE_S
+from distkv.replica.cluster_manager import ClusterOffloadingManager
+from distkv.directory.records import ReplicaInfo
 from distkv.replica.harness import block_keys
-from distkv.replica.local_manager import LocalOffloadingManager
 from test_cluster import BLOCK_TOKENS, prompt, replicas  # noqa: F401 (a fixture)
 
 TIMEOUT_S = 5.0
@@ -44,7 +46,7 @@ class SilentPromoter:
 
 
 class FakeTime:
-    """distkv.replica.cluster_manager's `time` module, with a clock that moves only when the test says."""
+    """The `time` module of the cluster manager and its scan rounds, with a clock that moves only when the test says."""
 
     def __init__(self):
         self.now = 1000.0
@@ -70,14 +72,15 @@ def held_elsewhere(directory, keys, epoch=0):
 @pytest.fixture
 def clock(monkeypatch):
     fake = FakeTime()
-    monkeypatch.setattr(distkv.replica.cluster_manager, "time", fake)
+    for module in (distkv.replica.cluster_manager, distkv.replica.protection, distkv.replica.replica_stats):
+        monkeypatch.setattr(module, "time", fake)
     return fake
 
 
 def silent_manager(directory, num_rows=4):
     link = FakeLink(directory, ReplicaInfo("this", "node-1", "distkv-ns-this", num_rows, 1, 64))
     promoter = SilentPromoter()
-    manager = ClusterOffloadingManager(LocalOffloadingManager(num_rows), link, promoter, promotion_timeout_s=TIMEOUT_S)
+    manager = ClusterOffloadingManager(num_rows, link, promoter, promotion_timeout_s=TIMEOUT_S)
     return manager, promoter
 
 

@@ -17,7 +17,10 @@ from fake_cupy import MEMCPY_DEVICE_TO_HOST, MEMCPY_HOST_TO_DEVICE, CudaError, F
 from handler_jobs import keys, run
 
 from distkv.abstract import CanonicalKVCacheRef, CanonicalKVCaches, CanonicalKVCacheTensor, GPULoadStoreSpec
-from distkv.storage.handlers import CopyPlanner, CpuCopyBackend, CudaCopyBackend, LoadHandler, PinnedRegion, SlotLayout, StoreHandler
+from distkv.storage.handlers.layout import CopyPlanner, SlotLayout
+from distkv.storage.handlers.cpu import CpuCopyBackend
+from distkv.storage.handlers.cuda import CudaCopyBackend, PinnedRegion
+from distkv.storage.handlers.base import LoadHandler, StoreHandler
 from distkv.names import segment_name
 from distkv.storage.pool import PAGE_BYTES, HostPool, PoolLayout, PoolLoadStoreSpec
 

@@ -7,15 +7,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from directory_fakes import Clock
 
-from distkv.directory.link import (
-    Cursor,
-    DirectoryState,
-    Holder,
-    ReplicaInfo,
-    ShardView,
-    shard_of,
-)
+from distkv.directory.records import Cursor, Holder, ReplicaInfo
+from distkv.directory.state import DirectoryState
+from distkv.directory.follower import ShardView
+from distkv.directory.placement import shard_of
 from distkv.directory import state as directory_state
+from distkv.directory import feed, upkeep, wire
 def key(i: int) -> bytes:
     return i.to_bytes(8, "big") * 4 + b"\0\0\0\0"
 
@@ -127,7 +124,7 @@ def test_a_churning_shard_s_young_objects_are_collected_every_few_thousand_keys(
     n = 40_000  # a key is removed 80 publishes after it was stored
     s.register(info("a", num_rows=1 << 20))
     s.publish("a", 1, [(key(i), i, 1) for i in range(n)], [])
-    collections = directory_state.ShardCollections(clock.now, young_every_keys=5_000)
+    collections = upkeep.ShardCollections(clock.now, young_every_keys=5_000)
     gc.collect()
     young = []
     for seq in range(2, 102):
@@ -169,7 +166,7 @@ def test_a_shard_that_ran_late_expires_no_replica_whose_heartbeat_waited_in_its_
     as heartbeats waited for it; its silence counts only past that, as the shard's actor
     expires replicas (`timeout + Lateness.worst()`)."""
     timeout_s = 5.0
-    lateness = directory_state.Lateness(timeout_s)
+    lateness = upkeep.Lateness(timeout_s)
     state.unregister("b")  # "a", heard from at 0, alone
     lateness.woke(1.0, 1.0)
     lateness.woke(2.0, 14.0)  # stopped from 2 to 14: the heartbeats of 2..14 are queued
@@ -350,7 +347,7 @@ def test_followers_replaying_changes_match_the_state(program, log_capacity):
 
 
 def test_a_follower_far_behind_gets_bounded_answers_and_converges(state, monkeypatch):
-    monkeypatch.setattr(directory_state, "MAX_ANSWER_KEYS", 7)
+    monkeypatch.setattr(feed, "MAX_ANSWER_KEYS", 7)
     view = ShardView(exclude="b")
     follow(state, view)
     for seq in range(1, 120):  # far behind: the follower asks nothing meanwhile
@@ -376,7 +373,7 @@ def test_a_follower_far_behind_gets_bounded_answers_and_converges(state, monkeyp
 
 def test_followers_at_one_cursor_share_one_packed_answer_until_the_log_changes(state, monkeypatch):
     packs = []
-    monkeypatch.setattr(directory_state, "pack", lambda payload: packs.append(payload) or pickle.dumps(payload))
+    monkeypatch.setattr(feed, "pack", lambda payload: packs.append(payload) or pickle.dumps(payload))
     state.publish("a", 1, [(key(1), 1, 1)], [])
     behind = state.cursor()
     state.publish("a", 2, [(key(2), 2, 2)], [])
@@ -463,7 +460,7 @@ def built(s: DirectoryState, between=lambda step: None, max_keys: int = 1) -> Sh
             break
     between(step)  # and once complete, before it is answered
     view = ShardView()
-    view.apply(directory_state.unpack(directory_state.pack(s.snapshot_answer(builder.snapshot()))))
+    view.apply(wire.unpack(wire.pack(s.snapshot_answer(builder.snapshot()))))
     assert view.cursor == s.cursor()  # the answer carries the log since the snapshot's cursor
     return view
 
@@ -527,13 +524,13 @@ def test_one_snapshot_serves_the_followers_that_need_one_while_its_cursor_is_in_
     assert set(joined().holders) == {key(1), key(2)} and s.stats()["snapshots"] == 1  # the first, and the log since
     s.publish("a", 3, [(key(i), i, 3) for i in range(3, 8)], [])  # the log moves past the snapshot's cursor
     assert set(joined().holders) == {key(i) for i in range(1, 8)} and s.stats()["snapshots"] == 2
-    kept = s._snapshot
+    kept = s._feed._snapshot
     s.drop_stale_snapshot()
-    assert s._snapshot is kept  # its cursor is still in the log
+    assert s._feed._snapshot is kept  # its cursor is still in the log
     s.publish("a", 4, [(key(i), i, 4) for i in range(8, 13)], [])
     s.publish("a", 5, [(key(i), i, 5) for i in range(13, 15)], [])
     s.drop_stale_snapshot()
-    assert s._snapshot is None  # nobody can be answered from it: its memory goes
+    assert s._feed._snapshot is None  # nobody can be answered from it: its memory goes
 
 
 def test_a_snapshot_is_answered_only_once_complete(state):

@@ -17,7 +17,8 @@ from distkv.directory.answer import (
     decode_answer,
     encode_answer,
 )
-from distkv.directory.state import DirectoryState, ReplicaInfo
+from distkv.directory.state import DirectoryState
+from distkv.directory.records import ReplicaInfo
 
 ENDPOINT = b"\x01a sealed endpoint\xff" * 40
 A = ReplicaInfo("a", "node-1", "distkv-ns-a", 64, 2, 4096, cache_epoch=3, endpoint=ENDPOINT)

@@ -2,7 +2,8 @@
 
 import pytest
 
-from distkv.directory.link import ChangeLog, Cursor
+from distkv.directory.changelog import ChangeLog
+from distkv.directory.records import Cursor
 
 
 def entry(replica_id: str, stored: int = 1, removed: int = 0):

@@ -5,7 +5,10 @@ import math
 import pytest
 from directory_fakes import FakeShard, key
 
-from distkv.directory.link import POLL_TIMEOUT_S, DirectoryState, Follower, Holder, ReplicaInfo, ShardView
+from distkv.directory.follower import POLL_TIMEOUT_S, Follower
+from distkv.directory.state import DirectoryState
+from distkv.directory.records import Holder, ReplicaInfo
+from distkv.directory.follower import ShardView
 from distkv.observability.errors import ErrorLog
 
 
@@ -123,9 +126,9 @@ def test_a_failed_first_poll_leaves_it_unsynced(rig):
 
 
 def test_a_follower_far_behind_catches_up_over_bounded_answers(monkeypatch):
-    import distkv.directory.state
+    import distkv.directory.feed
 
-    monkeypatch.setattr(distkv.directory.state, "MAX_ANSWER_KEYS", 4)
+    monkeypatch.setattr(distkv.directory.feed, "MAX_ANSWER_KEYS", 4)
     rig = Rig()
     rig.step()
     rig.shard.answer()

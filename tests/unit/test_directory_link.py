@@ -12,8 +12,10 @@ import time
 import pytest
 from directory_fakes import FakeShard, key
 
-import distkv.directory.link as directory
-from distkv.directory.link import DirectoryLink, DirectoryState, ReplicaInfo
+import distkv.directory.publisher as publisher_module
+from distkv.directory.link import DirectoryLink
+from distkv.directory.state import DirectoryState
+from distkv.directory.records import ReplicaInfo
 
 
 class Stepper:
@@ -42,7 +44,7 @@ def make_link(shards: list[FakeShard], replica_id: str = "a", num_rows: int = 1 
 def test_pending_changes_stay_bounded_while_a_shard_is_down_and_it_is_refilled_from_what_is_held(
     shards, monkeypatch
 ):
-    monkeypatch.setattr(directory, "MAX_PENDING_KEYS", 64)
+    monkeypatch.setattr(publisher_module, "MAX_PENDING_KEYS", 64)
     link = make_link(shards)
     (shard,) = shards
     stepper = Stepper(link, time.monotonic())

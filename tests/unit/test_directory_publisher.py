@@ -5,14 +5,10 @@ import collections
 import pytest
 from directory_fakes import FakeShard, key
 
-from distkv.directory.link import (
-    FLUSH_INTERVAL_S,
-    HEARTBEAT_INTERVAL_S,
-    DirectoryState,
-    Publisher,
-    ReplicaInfo,
-    unpack,
-)
+from distkv.directory.state import FLUSH_INTERVAL_S, DirectoryState
+from distkv.directory.publisher import HEARTBEAT_INTERVAL_S, DirectPublish, Publisher
+from distkv.directory.records import ReplicaInfo
+from distkv.directory.wire import unpack
 from distkv.directory.state import MAX_FLUSH_INTERVAL_S
 from distkv.observability.errors import ErrorLog
 
@@ -28,7 +24,8 @@ class Rig:
         self.event_lags: collections.deque = collections.deque()
         self.wakes = 0
         self.publisher = Publisher(
-            0, self.shard, "ns", info(), wake=self.wake, errors=self.errors, event_lags=self.event_lags
+            0, self.shard, "ns", info(),
+            wake=self.wake, errors=self.errors, event_lags=self.event_lags, path=DirectPublish([self.shard], "ns"),
         )
         self.now = 100.0
 
@@ -174,9 +171,9 @@ def test_the_event_lag_is_that_of_stores_not_of_promoted_blocks(rig):
 
 
 def test_changes_pending_past_the_bound_become_a_register(rig, monkeypatch):
-    import distkv.directory.link
+    import distkv.directory.publisher
 
-    monkeypatch.setattr(distkv.directory.link, "MAX_PENDING_KEYS", 4)
+    monkeypatch.setattr(distkv.directory.publisher, "MAX_PENDING_KEYS", 4)
     rig.shard.up = False
     rig.store((key(1), 1, 10))
     rig.step()
@@ -193,9 +190,9 @@ def test_changes_pending_past_the_bound_become_a_register(rig, monkeypatch):
 
 
 def test_a_re_register_of_many_keys_goes_in_chunks(rig, monkeypatch):
-    import distkv.directory.link
+    import distkv.directory.publisher
 
-    monkeypatch.setattr(distkv.directory.link, "MAX_BATCH_KEYS", 3)
+    monkeypatch.setattr(distkv.directory.publisher, "MAX_BATCH_KEYS", 3)
     rig.step(0.0)  # takes the register's answer
     held = {key(i): (i, 10 + i) for i in range(8)}
     for k, (row, generation) in held.items():
@@ -217,9 +214,9 @@ def test_a_re_register_of_many_keys_goes_in_chunks(rig, monkeypatch):
 
 
 def test_changes_past_the_batch_bound_go_in_several_publishes_and_the_latest_wins(rig, monkeypatch):
-    import distkv.directory.link
+    import distkv.directory.publisher
 
-    monkeypatch.setattr(distkv.directory.link, "MAX_BATCH_KEYS", 2)
+    monkeypatch.setattr(distkv.directory.publisher, "MAX_BATCH_KEYS", 2)
     rig.store(*[(key(i), i, 1) for i in range(1, 6)])
     rig.step()
     assert [len(args[2][0]) for _, args in rig.sent()] == [2]
@@ -310,14 +307,14 @@ def test_a_paced_replica_heartbeats_no_more_often_than_its_interval(rig):
 
 
 def test_a_full_batch_goes_without_waiting_for_the_interval(rig, monkeypatch):
-    import distkv.directory.link
+    import distkv.directory.publisher
 
     others_registered(rig, 499)
     rig.step(HEARTBEAT_INTERVAL_S)
     rig.shard.answer()
     rig.step(0.0)
     assert rig.publisher.flush_interval == MAX_FLUSH_INTERVAL_S
-    monkeypatch.setattr(distkv.directory.link, "MAX_BATCH_KEYS", 3)
+    monkeypatch.setattr(distkv.directory.publisher, "MAX_BATCH_KEYS", 3)
     rig.store(*[(key(i), i, 1) for i in range(7)])
     sizes = []
     for _ in range(2):
@@ -330,10 +327,10 @@ def test_a_full_batch_goes_without_waiting_for_the_interval(rig, monkeypatch):
 
 
 def test_a_shard_down_past_the_pending_bound_gets_a_resync_and_memory_stays_bounded(rig, monkeypatch):
-    import distkv.directory.link
+    import distkv.directory.publisher
 
-    monkeypatch.setattr(distkv.directory.link, "MAX_PENDING_KEYS", 32)
-    monkeypatch.setattr(distkv.directory.link, "MAX_BATCH_KEYS", 8)
+    monkeypatch.setattr(distkv.directory.publisher, "MAX_PENDING_KEYS", 32)
+    monkeypatch.setattr(distkv.directory.publisher, "MAX_BATCH_KEYS", 8)
     publisher = rig.publisher
     rig.store(*[(key(i), i, 1) for i in range(20)])
     rig.step()

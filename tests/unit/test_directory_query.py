@@ -14,11 +14,13 @@ from directory_fakes import FakeShard, key
 from test_cluster_faults import SilentPromoter
 from test_directory_link import Stepper
 
-import distkv.directory.link as directory
+import distkv.directory.querier as querier
+import distkv.directory.views as directory
 from distkv.abstract import LookupResult, ReqContext
 from distkv.replica.cluster_manager import ClusterOffloadingManager
-from distkv.directory.link import DirectoryLink, Holder, ReplicaInfo, shard_of
-from distkv.replica.local_manager import LocalOffloadingManager
+from distkv.directory.link import DirectoryLink
+from distkv.directory.records import Holder, ReplicaInfo
+from distkv.directory.placement import shard_of
 
 OTHER = ReplicaInfo("b", "node-2", "distkv-ns-b", 64, 1, 4096)
 
@@ -55,8 +57,8 @@ def started(link):
     """The link past its registers, with no call in flight but what it asks from now on."""
     stepper = Stepper(link, time.monotonic())
     stepper.step()
-    for shard in link._publishers:
-        shard.client.answer(("register",))
+    for publisher in link._publishers:
+        publisher.client.answer(("register",))
     return stepper
 
 
@@ -109,7 +111,7 @@ def test_a_key_in_flight_is_not_asked_again_and_the_answer_lands_in_the_view(sha
     assert link.view[key(1)] == (Holder("b", "node-2", 0, 7),)
     assert link.view[key(2)] == ()
     assert link.replica("b") == OTHER  # the answer brought the holder's info
-    assert not link._asked
+    assert not link._source._asked
     link.end_step()
     stepper.step(0.0)
     assert all(queries(shard) == [] for shard in shards)  # nothing was left to ask again
@@ -252,7 +254,7 @@ def test_a_query_never_answered_is_given_up_into_misses_and_the_next_goes_out(sh
     link.end_step()
     stepper.step(0.0)
     assert len(queries(shard)) == 1  # one call in flight a shard: the next key waits
-    stepper.step(directory.QUERY_TIMEOUT_S)
+    stepper.step(querier.QUERY_TIMEOUT_S)
     assert link.view[key(1)] == ()
     assert len(queries(shard)) == 2  # the waiting key went out once the first was given up
 
@@ -278,8 +280,8 @@ def test_memory_is_bounded(shards, monkeypatch):
         stepper.step(0.0)
         answered += 8
         assert len(link.view) <= 16 + 8  # the bound, and one answer's keys
-        assert len(link._infos) <= 2
-        assert len(link._asked) <= 8
+        assert len(link._source._infos) <= 2
+        assert len(link._source._asked) <= 8
     assert answered > 16
 
 
@@ -290,7 +292,7 @@ class StepManager:
         self.link = make_link(shards)
         self.stepper = started(self.link)
         self.promoter = SilentPromoter()
-        self.manager = ClusterOffloadingManager(LocalOffloadingManager(8), self.link, self.promoter)
+        self.manager = ClusterOffloadingManager(8, self.link, self.promoter)
         self.shards = shards
 
     def step_end(self):
@@ -334,9 +336,9 @@ def test_a_failed_answer_is_a_miss_not_a_retry_forever(shards):
 
 def test_a_following_link_asks_nothing(shards):
     link = make_link(shards, view="push")
-    manager = ClusterOffloadingManager(LocalOffloadingManager(8), link, SilentPromoter())
+    manager = ClusterOffloadingManager(8, link, SilentPromoter())
     assert manager.lookup_result(key(1), ReqContext("r1")) is LookupResult.MISS
-    assert not link._asked
+    assert link.ask is None  # a followed view has no way to ask
 
 
 def test_an_auto_link_switches_to_queries_once_its_view_shows_more_replicas_than_the_bound(shards, monkeypatch):

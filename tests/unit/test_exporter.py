@@ -19,7 +19,8 @@ from distkv.abstract import ReqContext
 from cluster_fakes import FakeDirectory, FakeLink, FunctionFetch
 
 from distkv.replica.cluster_manager import ClusterOffloadingManager
-from distkv.directory.link import DirectoryState, ReplicaInfo
+from distkv.directory.state import DirectoryState
+from distkv.directory.records import ReplicaInfo
 from distkv.replica.harness import Replica, block_keys
 from distkv.observability.metrics import (
     METRICS,
@@ -29,7 +30,9 @@ from distkv.observability.metrics import (
     NodeAgentSource,
     ReplicaSource,
 )
-from distkv.storage.pool import ALL_SUB_BLOCKS, HostPool, Sealed, read_rows
+from distkv.storage.slots import ALL_SUB_BLOCKS, Sealed
+from distkv.storage.pool import HostPool
+from distkv.storage.readers import read_rows
 from distkv.transfer.promotion import Promoter, layout_of
 from distkv.transfer.transport import ObjectStoreTransport
 from distkv.replica.specs import LocalOffloadingSpec
@@ -203,7 +206,10 @@ class FakeClusterSpec(LocalOffloadingSpec):
         promoter = Promoter(
             self.pool, self.node_id, link.replica, ObjectStoreTransport(self.pool, FunctionFetch(self.fetch)), namespace=self.namespace
         )
-        return ClusterOffloadingManager(super().get_manager(), link, promoter, promotion_timeout_s=self.timeout_s)
+        return ClusterOffloadingManager(
+            self.layout.num_rows, link, promoter,
+            policy=self.config.eviction_policy, generations=self.pool.reserve_generations, promotion_timeout_s=self.timeout_s,
+        )
 
 
 @pytest.fixture

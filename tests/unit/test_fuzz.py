@@ -24,7 +24,8 @@ from distkv.abstract import (
     ReqContext,
 )
 from distkv.config import DistkvConfig
-from distkv.directory.link import DirectoryState, ReplicaInfo
+from distkv.directory.state import DirectoryState
+from distkv.directory.records import ReplicaInfo
 from distkv.storage.handlers import make_handlers
 from distkv.replica.local_manager import LocalOffloadingManager
 from distkv.storage.pool import HostPool, PoolLayout, PoolLoadStoreSpec
@@ -265,7 +266,7 @@ def adapter_manager():
     pool = HostPool(f"distkv-fuzz-{uuid.uuid4().hex[:8]}", layout)
     info = ReplicaInfo("a", "node", pool.name, layout.num_rows, layout.num_ranks, layout.slot_bytes)
     link = FakeLink(FakeDirectory(), info)
-    cluster = ClusterOffloadingManager(LocalOffloadingManager(8), link, Promoter(pool, "node", link.replica, ObjectStoreTransport(pool, FunctionFetch(no_fetch)), namespace=link.namespace))
+    cluster = ClusterOffloadingManager(8, link, Promoter(pool, "node", link.replica, ObjectStoreTransport(pool, FunctionFetch(no_fetch)), namespace=link.namespace))
     manager = DistkvOffloadingManager(cluster, pool, enable_events=False)
     keys = [good_key(i) for i in range(4)]
     ctx = ReqContext("setup")

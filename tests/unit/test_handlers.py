@@ -18,14 +18,10 @@ from distkv.abstract import (
     GPULoadStoreSpec,
     OffloadingWorker,
 )
-from distkv.storage.handlers import (
-    CopyPlanner,
-    CpuCopyBackend,
-    LoadHandler,
-    SlotLayout,
-    StoreHandler,
-    make_handlers,
-)
+from distkv.storage.handlers.layout import CopyPlanner, SlotLayout
+from distkv.storage.handlers.cpu import CpuCopyBackend
+from distkv.storage.handlers.base import LoadHandler, StoreHandler
+from distkv.storage.handlers import make_handlers
 from distkv.names import segment_name
 from distkv.storage.pool import (
     PAGE_BYTES,

@@ -9,7 +9,8 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from distkv.abstract import OffloadingEvent, OffloadingManager, ReqContext
 from distkv.replica.local_manager import LocalOffloadingManager
-from distkv.storage.pool import MAX_KEY_BYTES, PoolLoadStoreSpec
+from distkv.storage.slots import MAX_KEY_BYTES
+from distkv.storage.pool import PoolLoadStoreSpec
 
 POLICIES = ["lru", "arc"]
 CTX = ReqContext("req-0")
@@ -52,11 +53,11 @@ def state(manager: LocalOffloadingManager) -> tuple:
     }
     return (
         {key: (b.row, b.generation, b.refs) for key, b in manager._blocks.items()},
-        list(manager._free_rows),
+        list(manager._rows.free),
         manager._num_evictable,
         {key: (b.row, b.refs) for key, b in manager._retired.items()},
         list(manager._events),
-        manager._next_generation,
+        manager._generations._next,
         policy_state,
     )
 

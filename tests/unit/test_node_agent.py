@@ -7,7 +7,7 @@ from concurrent.futures import Future
 import pytest
 
 import ray_actors.node_agent as node_agent
-from distkv.directory.link import ReplicaInfo
+from distkv.directory.records import ReplicaInfo
 from distkv.names import agent_name
 from ray_actors.node_agent import AgentFetch
 

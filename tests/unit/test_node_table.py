@@ -3,7 +3,8 @@ shard dropping the holders on them (issue 31; no Ray)."""
 
 from directory_fakes import key
 
-from distkv.directory.state import DirectoryState, ReplicaInfo
+from distkv.directory.state import DirectoryState
+from distkv.directory.records import ReplicaInfo
 from distkv.directory.node_table import DeadNodes
 
 

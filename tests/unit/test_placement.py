@@ -13,11 +13,15 @@ from directory_fakes import FakeShard
 
 from distkv.abstract import ReqContext
 from distkv.replica.cluster_manager import ClusterOffloadingManager
-from distkv.directory.link import DirectoryLink, DirectoryState, ReplicaInfo, ShardView, shard_of, unpack
-from distkv.directory.state import prefix_root
+from distkv.directory.link import DirectoryLink
+from distkv.directory.state import DirectoryState
+from distkv.directory.records import ReplicaInfo
+from distkv.directory.follower import ShardView
+from distkv.directory.placement import shard_of
+from distkv.directory.wire import unpack
+from distkv.directory.placement import prefix_root
 from distkv.observability.errors import ErrorLog
 from distkv.replica.harness import block_keys
-from distkv.replica.local_manager import LocalOffloadingManager
 
 NUM_SHARDS = 4
 # a hybrid model: group 0 in chunks of 32 tokens, group 1 in chunks of 16
@@ -61,7 +65,7 @@ class Cluster:
         info = ReplicaInfo(replica_id, "node-1", f"distkv-ns-{replica_id}", num_rows, 1, 4096)
         link = DirectoryLink("ns", info, self.shards)
         self.links.append(link)
-        manager = ClusterOffloadingManager(LocalOffloadingManager(num_rows), link, StubPromoter())
+        manager = ClusterOffloadingManager(num_rows, link, StubPromoter())
         self.settle()
         return manager
 
@@ -218,14 +222,14 @@ def test_a_block_before_the_root_and_one_without_a_position_go_by_their_own_keys
     a = cluster.replica("a")
     ctx, keys = request(prompt_whose_groups_start_on_other_shards(), "r")
     root, end = prefix_root(ctx.offload_key_positions())
-    assert a.block_shard(keys[-1], ctx) == shard_of(root, NUM_SHARDS)
+    assert a.placement.shard(keys[-1], ctx) == shard_of(root, NUM_SHARDS)
     # the request's root is kept from its first placement on: a key recorded later below it
     # (a partial block of the first chunk) is placed by itself, not made the root
     early, unrecorded = bytes(32) + bytes(4), b"\1" * 32 + bytes(4)
     ctx.set_offload_key_position(early, end - 8)
-    assert a.block_shard(early, ctx) == shard_of(early, NUM_SHARDS) != shard_of(root, NUM_SHARDS)
-    assert a.block_shard(unrecorded, ctx) == shard_of(unrecorded, NUM_SHARDS)
-    assert a.block_shard(keys[-1], ctx) == shard_of(root, NUM_SHARDS)
+    assert a.placement.shard(early, ctx) == shard_of(early, NUM_SHARDS) != shard_of(root, NUM_SHARDS)
+    assert a.placement.shard(unrecorded, ctx) == shard_of(unrecorded, NUM_SHARDS)
+    assert a.placement.shard(keys[-1], ctx) == shard_of(root, NUM_SHARDS)
 
 
 def test_the_root_is_the_smallest_end_and_then_the_smallest_group():

@@ -11,18 +11,10 @@ import numpy as np
 import pytest
 
 from distkv.names import segment_name
-from distkv.storage.pool import (
-    MAX_KEY_BYTES,
-    PAGE_BYTES,
-    HostPool,
-    COPY_CHUNK_BYTES,
-    PoolLayout,
-    PoolReaders,
-    checksum,
-    copy_checksum,
-    pin_ranges,
-    reclaim_stale_segments,
-)
+from distkv.storage.slots import COPY_CHUNK_BYTES, MAX_KEY_BYTES, checksum, copy_checksum
+from distkv.storage.pool import PAGE_BYTES, HostPool, PoolLayout, pin_ranges
+from distkv.storage.readers import PoolReaders
+from distkv.storage.segments import reclaim_stale_segments
 
 KEY_A = b"a" * 32 + b"\0\0\0\0"
 KEY_B = b"b" * 32 + b"\0\0\0\1"

@@ -11,11 +11,12 @@ from concurrent.futures import Future
 import numpy as np
 import pytest
 
-import distkv.storage.pool
+import distkv.storage.readers
 import distkv.transfer.promotion as promotion
-from distkv.directory.link import Holder, ReplicaInfo
+from distkv.directory.records import Holder, ReplicaInfo
 from distkv.names import segment_name
-from distkv.storage.pool import HostPool, PoolLayout, read_rows
+from distkv.storage.pool import HostPool, PoolLayout
+from distkv.storage.readers import read_rows
 from distkv.transfer.promotion import Promoter, Promotion
 from distkv.transfer.transport import ObjectStoreTransport
 
@@ -148,7 +149,7 @@ def test_a_holder_pool_that_cannot_be_opened_fails_only_its_promotions(world, mo
             raise error
         return HostPool(name, *args, **kwargs)
 
-    monkeypatch.setattr(distkv.storage.pool, "HostPool", host_pool)  # what PoolReaders opens with
+    monkeypatch.setattr(distkv.storage.readers, "HostPool", host_pool)  # what PoolReaders opens with
     promoter.submit(same.promotion(0))
     promoter.submit(same.promotion(1))
     assert ended(promoter, 2) == {key_of(0): False, key_of(1): False}

@@ -9,8 +9,8 @@ from concurrent.futures import Future
 import pytest
 from directory_fakes import Clock
 
-from distkv.directory.state import MAX_CALL_KEYS
-from distkv.storage.pool import MAX_KEY_BYTES
+from distkv.directory.wire import MAX_CALL_KEYS
+from distkv.storage.slots import MAX_KEY_BYTES
 from distkv.directory import query_channel
 from distkv.directory.query_channel import (
     _CLIENT_PROOF,

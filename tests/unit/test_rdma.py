@@ -16,15 +16,10 @@ import pytest
 pytest.importorskip("nixl")
 
 from distkv.names import segment_name  # noqa: E402
-from distkv.storage.pool import (  # noqa: E402
-    HEADER_BYTES,
-    PAGE_BYTES,
-    HostPool,
-    PoolLayout,
-    check_landed,
-    reclaim_stale_segments,
-)
-from distkv.directory.link import ReplicaInfo  # noqa: E402
+from distkv.storage.slots import HEADER_BYTES, check_landed
+from distkv.storage.pool import PAGE_BYTES, HostPool, PoolLayout
+from distkv.storage.segments import reclaim_stale_segments
+from distkv.directory.records import ReplicaInfo  # noqa: E402
 from distkv.transfer.endpoint_seal import EndpointSeal, new_secret  # noqa: E402
 from distkv.transfer.rdma import NixlAgent, RdmaUnavailable, load_nixl  # noqa: E402
 from distkv.transfer.transport import NixlTransport, NodeTransports, RowRead, Transfer, Transport  # noqa: E402

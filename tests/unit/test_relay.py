@@ -7,10 +7,14 @@ import pytest
 from directory_fakes import FakeShard, key
 
 from distkv.directory import relay as relay_module
-from distkv.directory.link import FLUSH_INTERVAL_S, DirectoryLink, Publisher, ReplicaInfo, pack, unpack
+from distkv.directory.state import FLUSH_INTERVAL_S
+from distkv.directory.link import DirectoryLink
+from distkv.directory.publisher import DirectPublish, Publisher
+from distkv.directory.records import ReplicaInfo
+from distkv.directory.wire import pack, unpack
 from distkv.directory.state import DirectoryState, publish_interval
 from distkv.observability.errors import ErrorLog
-from distkv.directory.relay import PublishRelay, RelayBatch, RelayedShard
+from distkv.directory.relay import PublishRelay, RelayBatch
 
 
 def info(replica_id: str) -> ReplicaInfo:
@@ -28,8 +32,8 @@ class Node:
         self.publishers = {
             r: [
                 Publisher(
-                    s, RelayedShard(shard, s, "ns", self.relay.publish), "ns", info(r),
-                    wake=lambda: None, errors=self.errors, event_lags=collections.deque(),
+                    s, shard, "ns", info(r),
+                    wake=lambda: None, errors=self.errors, event_lags=collections.deque(), path=self.relay,
                 )
                 for s, shard in enumerate(self.shards)
             ]
@@ -230,8 +234,6 @@ def test_bad_calls_and_bounds(monkeypatch):
             future.result()
     with pytest.raises(RuntimeError, match="closed"):
         relay.publish(0, "a", 2, b"", None)
-    with pytest.raises(ValueError, match="refuses a publish for 'other'"):
-        RelayedShard(FakeShard(), 0, "ns", relay.publish).publish("a", 1, b"", None, "other")
 
 
 def test_the_relay_thread_sends_a_publish_handed_over_after_a_long_sleep():
@@ -353,12 +355,12 @@ def test_a_queried_link_publishes_through_the_relay_a_following_one_to_the_shard
     queried = DirectoryLink("ns", info("q"), [shard], "query", relay)
     following = DirectoryLink("ns", info("f"), [shard], "push", relay)
     auto = DirectoryLink("ns", info("s"), [shard], "auto", relay)
-    assert [type(p.client) for p in queried._publishers] == [RelayedShard]
-    assert [p.client for p in following._publishers] == [shard]
-    assert [p.client for p in auto._publishers] == [shard]
-    auto._query_from_now()  # what a view of more than AUTO_PUSH_MAX_REPLICAS replicas makes it do
-    assert [type(p.client) for p in auto._publishers] == [RelayedShard]
-    assert queried._publishers[0].client.direct is shard
+    assert queried._path.path is relay
+    assert type(following._path.path) is DirectPublish and following._path.path.shards == [shard]
+    assert type(auto._path.path) is DirectPublish and auto._path.path.shards == [shard]
+    auto._source.switch()  # what a view of more than AUTO_PUSH_MAX_REPLICAS replicas makes it do
+    assert auto._path.path is relay
+    assert queried._publishers[0].client is shard  # registers go to the shard itself
 
 
 def test_a_queried_links_step_hands_its_publishes_over_in_one_call():

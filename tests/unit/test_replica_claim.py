@@ -9,9 +9,9 @@ import uuid
 import pytest
 import ray
 
-from distkv.replica.local_manager import LocalOffloadingManager
 from distkv.storage.pool import HostPool
-from distkv.replica.specs import LocalOffloadingSpec, join_cluster
+from distkv.replica.specs import LocalOffloadingSpec
+from distkv.replica.join import join_cluster
 
 
 @pytest.fixture
@@ -39,7 +39,7 @@ def test_a_second_replica_of_the_same_engine_id_fails_at_start(plan, monkeypatch
         second = HostPool(plan.pool_name, plan.layout)
         try:
             with pytest.raises(ValueError, match="engine_id") as refused:
-                join_cluster(plan, second, LocalOffloadingManager(plan.layout.num_rows))
+                join_cluster(plan, second)
             assert plan.replica_id in str(refused.value)
         finally:
             second.close()

@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from distkv.config import KVIdentity, cache_namespace
-from distkv.directory.link import check_namespace
+from distkv.directory.wire import check_namespace
 from distkv.names import check_pool_namespace, replica_name, segment_name
 from distkv.storage.pool import HostPool, PoolLayout
 from distkv.replica.specs import LocalOffloadingSpec

@@ -18,7 +18,8 @@ import pytest
 import distkv.storage.pool
 import distkv.storage.segments
 from distkv.names import segment_name
-from distkv.storage.pool import PAGE_BYTES, HostPool, PoolLayout, PoolReaders
+from distkv.storage.pool import PAGE_BYTES, HostPool, PoolLayout
+from distkv.storage.readers import PoolReaders
 from distkv.storage.segments import UntrustedSegment, reclaim_stale_segments
 
 LAYOUT = PoolLayout(num_rows=2, num_ranks=1, slot_bytes=PAGE_BYTES)

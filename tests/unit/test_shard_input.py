@@ -8,17 +8,17 @@ import pytest
 from directory_fakes import key
 
 from distkv.directory.answer import decode_answer, encode_answer
-from distkv.directory.state import (
+from distkv.directory.wire import (
     MAX_CALL_KEYS,
     MAX_PAYLOAD_BYTES,
     MAX_RELAYED_PUBLISHES,
-    DirectoryState,
-    ReplicaInfo,
     pack,
     unpack_changes,
     unpack_plain,
     unpack_stored,
 )
+from distkv.directory.state import DirectoryState
+from distkv.directory.records import ReplicaInfo
 
 A = ReplicaInfo("a", "node-1", "distkv-ns-a", 1 << 13, 1, 4096)
 B = ReplicaInfo("b", "node-2", "distkv-ns-b", 64, 1, 4096)
@@ -48,7 +48,7 @@ def test_a_payload_of_plain_data_crosses_as_packed():
     [
         (pack([(Bomb(), 1, 1)]), "names test_shard_input.explode: only plain data"),
         (pickle.dumps(Bomb()), "names test_shard_input.explode"),
-        (pack([ReplicaInfo("x", "n", "p", 1, 1, 1)]), "names distkv.directory.state.ReplicaInfo"),
+        (pack([ReplicaInfo("x", "n", "p", 1, 1, 1)]), "names distkv.directory.records.ReplicaInfo"),
         (b"\x80\x05garbage", "not a packed payload"),
         ("text", "a str, not packed bytes"),
         (bytes(MAX_PAYLOAD_BYTES + 1), f"over {MAX_PAYLOAD_BYTES}"),

@@ -36,8 +36,10 @@ from distkv.abstract import (
 from distkv.storage.handlers import make_handlers
 from distkv.replica.local_manager import LocalOffloadingManager
 from distkv.names import segment_name
-from distkv.storage.pool import HEADER_BYTES, PAGE_BYTES, HostPool, PoolLayout, PoolLoadStoreSpec, check_landed, read_rows
-from distkv.directory.link import ReplicaInfo
+from distkv.storage.slots import HEADER_BYTES, check_landed
+from distkv.storage.pool import PAGE_BYTES, HostPool, PoolLayout, PoolLoadStoreSpec
+from distkv.storage.readers import read_rows
+from distkv.directory.records import ReplicaInfo
 from distkv.storage.tier_copies import load_row
 from distkv.transfer.transport import ObjectStoreTransport, RowRead
 

@@ -17,10 +17,10 @@ from cluster_fakes import FakeDirectory, FakeLink, PoolFetch
 
 from distkv.abstract import LookupResult, ReqContext
 from distkv.replica.cluster_manager import ClusterOffloadingManager
-from distkv.directory.link import ReplicaInfo
-from distkv.replica.local_manager import LocalOffloadingManager
+from distkv.directory.records import ReplicaInfo
 from distkv.names import segment_name
-from distkv.storage.pool import SHM_DIR, HostPool, PoolLayout
+from distkv.storage.segments import SHM_DIR
+from distkv.storage.pool import HostPool, PoolLayout
 from distkv.transfer.promotion import Promoter
 from distkv.replica.tier import ClusterTier
 from distkv.storage.tier_copies import ChunkCopier
@@ -40,7 +40,7 @@ class TierReplica:
         pool = HostPool(segment_name(NAMESPACE, name), PoolLayout(rows, 1, CHUNK_BYTES))
         link = FakeLink(directory, ReplicaInfo(name, node_id, pool.name, rows, 1, CHUNK_BYTES))
         promoter = Promoter(pool, node_id, link.replica, ObjectStoreTransport(pool, fetch), namespace=NAMESPACE)
-        cluster = ClusterOffloadingManager(LocalOffloadingManager(rows), link, promoter, promotion_timeout_s=timeout_s)
+        cluster = ClusterOffloadingManager(rows, link, promoter, promotion_timeout_s=timeout_s)
         self.primary = np.zeros((NUM_CHUNKS, CHUNK_BYTES), dtype=np.uint8)
         self.tier = ClusterTier(cluster, pool, self.primary)
         self.pool = pool

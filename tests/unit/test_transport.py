@@ -9,11 +9,11 @@ import uuid
 
 import pytest
 
-from distkv.directory.link import ReplicaInfo
+from distkv.directory.records import ReplicaInfo
 from distkv.transfer.endpoint_seal import EndpointSeal, new_secret
 from distkv.names import segment_name
 from distkv.storage.pool import PAGE_BYTES, HostPool, PoolLayout
-from distkv.replica.specs import node_transports
+from distkv.replica.join import node_transports
 from distkv.transfer.transport import NodeTransports, RowRead, Transfer, Transport
 
 ENDPOINT = b"a sealed endpoint"

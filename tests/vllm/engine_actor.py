@@ -11,7 +11,7 @@ from typing import Any
 import ray
 from replica_engine import EngineReplica
 
-from distkv.replica.specs import ReplicaPlan
+from distkv.replica.plan import ReplicaPlan
 
 
 @ray.remote(num_cpus=0)

@@ -24,7 +24,7 @@ from replica_engine import DISTKV_EXTRA, GPU_BLOCK_TOKENS, EngineReplica, kv_cac
 
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.config import build_offloading_config  # noqa: E402
 
-from distkv.directory.link import unpack  # noqa: E402
+from distkv.directory.wire import unpack  # noqa: E402
 from distkv import vllm as distkv_vllm  # noqa: E402
 from ray_actors.directory import get_or_create_shards, kill_shards  # noqa: E402
 

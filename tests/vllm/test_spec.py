@@ -35,7 +35,7 @@ from vllm.v1.kv_offload.config import (  # noqa: E402
 from vllm.v1.kv_offload.factory import OffloadingSpecFactory  # noqa: E402
 
 from distkv.replica.local_manager import LocalOffloadingManager  # noqa: E402
-from distkv.storage.pool import SHM_DIR  # noqa: E402
+from distkv.storage.segments import SHM_DIR  # noqa: E402
 from distkv.vllm import (  # noqa: E402
     DistkvOffloadingWorker,
     RayOffloadingSpec,

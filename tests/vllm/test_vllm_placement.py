@@ -21,9 +21,17 @@ from vllm.v1.kv_offload.base import ReqContext, RequestOffloadingContext, make_o
 from vllm.v1.kv_offload.config import OffloadingCacheConfig, OffloadingGroupConfig  # noqa: E402
 
 from distkv.replica.cluster_manager import ClusterOffloadingManager  # noqa: E402
-from distkv.directory.link import DirectoryLink, ReplicaInfo, shard_of  # noqa: E402
-from distkv.replica.local_manager import LocalOffloadingManager  # noqa: E402
-from distkv.vllm import DistkvOffloadingManager, first_chunk, offload_key_positions, request_root  # noqa: E402
+from distkv.directory.link import DirectoryLink  # noqa: E402
+from distkv.directory.records import ReplicaInfo  # noqa: E402
+from distkv.directory.placement import shard_of  # noqa: E402
+from distkv.vllm import (  # noqa: E402
+    DistkvOffloadingManager,
+    first_chunk,
+    offload_key_positions,
+    request_root,
+    vllm_request_root,
+)
+from distkv.replica.placement import BlockPlacement  # noqa: E402
 
 TOKENS_PER_HASH = 4
 
@@ -103,8 +111,8 @@ def test_the_adapter_places_a_vllm_requests_blocks_on_its_roots_shard():
 
     info = ReplicaInfo("a", "node-1", "distkv-ns-a", 64, 1, 4096)
     link = DirectoryLink("ns", info, [object()] * 4)  # never started: no shard is called
-    cluster = ClusterOffloadingManager(LocalOffloadingManager(64), link, Promoter())
-    manager = DistkvOffloadingManager(cluster, pool=None, enable_events=False, first_chunk=(16, 1))
+    cluster = ClusterOffloadingManager(64, link, Promoter(), placement=BlockPlacement(4, vllm_request_root((16, 1))))
+    manager = DistkvOffloadingManager(cluster, pool=None, enable_events=False)
     tokens = np.random.default_rng(2).integers(0, 50_000, 128)
     ctx, req = scheduled(tokens, {0: 32, 1: 16}, "r")
     keys = list(offload_key_positions(ctx))

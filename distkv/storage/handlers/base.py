@@ -25,7 +25,8 @@ import torch
 from distkv.observability import metrics
 from distkv.abstract import GPULoadStoreSpec, OffloadingHandler, TransferResult, TransferSpec
 from distkv.storage.handlers.layout import CopyPlan, CopyPlanner, SlotLayout
-from distkv.storage.pool import MAX_KEY_BYTES, HostPool, PoolLoadStoreSpec
+from distkv.storage.slots import MAX_KEY_BYTES
+from distkv.storage.pool import HostPool, PoolLoadStoreSpec
 
 logger = logging.getLogger(__name__)
 

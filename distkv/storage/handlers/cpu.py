@@ -23,7 +23,8 @@ import xxhash
 
 from distkv.storage.handlers.base import CopyBackend, CopyTicket
 from distkv.storage.handlers.layout import CopyPlan
-from distkv.storage.pool import COPY_CHUNK_BYTES, HostPool
+from distkv.storage.slots import COPY_CHUNK_BYTES
+from distkv.storage.pool import HostPool
 
 
 def flat_bytes(tensor: torch.Tensor) -> torch.Tensor:

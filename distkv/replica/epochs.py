@@ -1,0 +1,49 @@
+"""A replica's cache epoch: which other replicas' blocks it may use.
+
+A reset (new weights) moves a replica to its next cache epoch, under a new id
+(`distkv.names.epoch_replica_id`), and a replica promotes only from replicas of its own
+epoch, so that blocks computed before a weight update are never loaded after it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+from distkv.directory.records import Holder, ReplicaInfo
+
+# Replica ids whose cache epoch is remembered (`CacheEpoch.in_epoch`) at most.
+MAX_REPLICA_EPOCHS = 1 << 16
+
+
+class CacheEpoch:
+    """This replica's cache epoch (`epoch`), and whether holders are of it. `replica`
+    gives a holder's info (the link's view). An id names one epoch for good, so the
+    answer for each id is kept until this replica's epoch changes (`advance`)."""
+
+    def __init__(self, epoch: int, replica: Callable[[str], ReplicaInfo | None]) -> None:
+        self.epoch = epoch
+        self._replica = replica
+        # replica id -> whether it is of this cache epoch
+        self._same: dict[str, bool] = {}
+
+    def in_epoch(self, holders: Iterable[Holder]) -> bool:
+        """Whether a replica of this cache epoch is among `holders`."""
+        known = self._same
+        for holder in holders:
+            same = known.get(holder.replica_id)
+            if same is None:
+                info = self._replica(holder.replica_id)
+                if info is None:
+                    continue
+                if len(known) >= MAX_REPLICA_EPOCHS:
+                    known.clear()
+                same = known[holder.replica_id] = info.cache_epoch == self.epoch
+            if same:
+                return True
+        return False
+
+    def advance(self) -> int:
+        """Move to the next epoch; its number."""
+        self.epoch += 1
+        self._same.clear()
+        return self.epoch
