@@ -432,7 +432,9 @@ class OffloadingHandler(ABC):
 
 
 @dataclass
-class _Route:
+class _HandlerJobs:
+    """A registered handler and the jobs in flight on it."""
+
     handler: OffloadingHandler
     jobs: set[int] = field(default_factory=set)
 
@@ -441,8 +443,8 @@ class OffloadingWorker:
     """Dispatches transfers to handlers by (src.medium(), dst.medium())."""
 
     def __init__(self) -> None:
-        self._routes: dict[tuple[str, str], _Route] = {}
-        self._job_route: dict[int, _Route] = {}
+        self._routes: dict[tuple[str, str], _HandlerJobs] = {}
+        self._job_route: dict[int, _HandlerJobs] = {}
 
     def register_handler(
         self,
@@ -453,7 +455,7 @@ class OffloadingWorker:
         transfer_type = (src_cls.medium(), dst_cls.medium())
         if transfer_type in self._routes:
             raise ValueError(f"a handler for {transfer_type} is already registered")
-        self._routes[transfer_type] = _Route(handler)
+        self._routes[transfer_type] = _HandlerJobs(handler)
 
     def transfer_async(self, job_id: int, spec: TransferSpec) -> bool:
         src, dst = spec

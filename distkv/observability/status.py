@@ -4,8 +4,6 @@ Finds every Directory shard (the named actors `directory-<namespace>-<i>` in Ray
 `distkv`: `distkv.names`) and asks each for its sizes and its registered replicas. Each replica's
 DirectoryLink sends the replica's counts along with its heartbeat (every 0.5 s), so what is
 shown is at most about a second old. Exits 1 when a shard does not answer.
-
-A tool that wires into the cluster: it may import `ray_actors` (for the Ray namespace).
 """
 
 from __future__ import annotations
