@@ -25,7 +25,7 @@ import ray  # noqa: E402
 
 from distkv.directory.link import DirectoryLink  # noqa: E402
 from distkv.directory.records import ReplicaInfo  # noqa: E402
-from distkv.directory.wire import pack  # noqa: E402
+from distkv.directory.wire import encode_answer, encode_changes, encode_stored  # noqa: E402
 from distkv.directory.placement import shard_of  # noqa: E402
 from distkv.names import RAY_NAMESPACE, segment_name  # noqa: E402
 from ray_actors.directory import get_or_create_shards, head_node_id, kill_shards, shard_clients  # noqa: E402
@@ -46,7 +46,7 @@ class NoOp:
         return "", True
 
     async def query(self, keys, namespace):
-        return pack([()] * len(keys))
+        return encode_answer([()] * len(keys), {})
 
 
 def make_keys(n: int) -> list[bytes]:
@@ -69,7 +69,7 @@ class Lane:
         self.round += 1
         if self.round % 2:
             self.seq += 1
-            changes = pack(([(k, i, self.seq) for i, k in enumerate(batch)], []))
+            changes = encode_changes([(k, i, self.seq) for i, k in enumerate(batch)], [])
             return self.actor.publish.remote(self.info.replica_id, self.seq, changes, None, namespace=self.namespace)
         return self.actor.query.remote(batch, namespace=self.namespace)
 
@@ -83,7 +83,7 @@ def throughput(actors: list, keys_of: list[list[bytes]], seconds: float, namespa
             info = ReplicaInfo(f"bench-{s}-{j}", node, segment_name(namespace, f"bench_{s}_{j}"), BATCH, 1, 4096)
             keys = keys_of[s][j * BATCHES_PER_LANE * BATCH:(j + 1) * BATCHES_PER_LANE * BATCH]
             lanes.append(Lane(actor, info, [keys[b * BATCH:(b + 1) * BATCH] for b in range(BATCHES_PER_LANE)], namespace))
-    ray.get([lane.actor.register.remote(lane.info, 0, pack([]), namespace=namespace) for lane in lanes])
+    ray.get([lane.actor.register.remote(lane.info, 0, encode_stored([]), namespace=namespace) for lane in lanes])
     in_flight = {lane.call(): lane for lane in lanes}
     rounds = 0
     start = time.perf_counter()
@@ -136,7 +136,7 @@ def round_trips(actor, samples: int, namespace: str) -> list[float]:
     for key in make_keys(samples):
         time.sleep(random.uniform(0.0, 0.01))
         start = time.perf_counter()
-        ray.get(actor.publish.remote("a", 1, pack(([(key, 0, 0)], [])), None, namespace=namespace))
+        ray.get(actor.publish.remote("a", 1, encode_changes([(key, 0, 0)], []), None, namespace=namespace))
         delays.append(time.perf_counter() - start)
     return delays
 

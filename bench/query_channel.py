@@ -36,8 +36,8 @@ import ray  # noqa: E402
 
 from distkv.demo.runner import token_auth_on  # noqa: E402
 from distkv.directory.records import ReplicaInfo  # noqa: E402
-from distkv.directory.wire import pack  # noqa: E402
-from distkv.directory.answer import decode_answer  # noqa: E402
+from distkv.directory.wire import encode_changes, encode_stored  # noqa: E402
+from distkv.directory.wire import decode_answer  # noqa: E402
 from distkv.directory.wire import MAX_CALL_KEYS  # noqa: E402
 from distkv.names import RAY_NAMESPACE, segment_name  # noqa: E402
 from ray_actors.directory import ShardActorClient  # noqa: E402
@@ -100,9 +100,9 @@ def main() -> None:
         info = ReplicaInfo("holder", node_id, segment_name(namespace, "holder"), HELD_KEYS, 1, PAGE_BYTES)
         keys = [key(i) for i in range(HELD_KEYS)]
         entries = [(k, row, 1) for row, k in enumerate(keys)]
-        ray.get(actor.register.remote(info, 1, pack(entries[:MAX_CALL_KEYS]), namespace))
+        ray.get(actor.register.remote(info, 1, encode_stored(entries[:MAX_CALL_KEYS]), namespace))
         for seq, start in enumerate(range(MAX_CALL_KEYS, HELD_KEYS, MAX_CALL_KEYS), start=2):
-            ray.get(actor.publish.remote("holder", seq, pack((entries[start : start + MAX_CALL_KEYS], [])), None, namespace))
+            ray.get(actor.publish.remote("holder", seq, encode_changes(entries[start : start + MAX_CALL_KEYS], []), None, namespace))
         client = ShardActorClient(actor, namespace)
         connect_channels([client.channel])
         grpc_client = query_grpc.GrpcQueryClient(actor, namespace)

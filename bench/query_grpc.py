@@ -2,7 +2,7 @@
 hand, measured against it by `bench/query_channel.py` (docs/benchmarks.md).
 
 Built to cost what a production version would, no less: the same request bytes (the
-channel's keys) and the same typed answer (`distkv.directory.answer`), answered on the
+channel's keys) and the same typed answer (`distkv.directory.wire`), answered on the
 shard's event loop (grpc.aio) by the shard's own `_answer`; both ends authenticated and every
 byte protected, by mutual TLS under two self-signed certificates the shard makes per
 incarnation (its own, whose key never leaves it, and one for its clients), handed out through
@@ -27,7 +27,7 @@ from cryptography.x509.oid import NameOID
 
 from distkv.directory.querier import QUERY_TIMEOUT_S
 from distkv.directory import query_channel
-from distkv.directory.answer import MAX_ANSWER_BYTES
+from distkv.directory.wire import MAX_ANSWER_BYTES
 from distkv.directory.query_channel import (
     HELLO_TIMEOUT_S,
     KEY_BURST,

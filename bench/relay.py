@@ -28,7 +28,7 @@ import ray  # noqa: E402
 
 from distkv.demo.runner import token_auth_on  # noqa: E402
 from distkv.directory.records import ReplicaInfo  # noqa: E402
-from distkv.directory.wire import pack  # noqa: E402
+from distkv.directory.wire import encode_changes, encode_stored  # noqa: E402
 from distkv.names import segment_name  # noqa: E402
 from ray_actors.directory import get_or_create_shards, kill_shards  # noqa: E402
 from ray_actors.node_agent import start_node_agent  # noqa: E402
@@ -56,16 +56,13 @@ def measure(num_shards: int, replicas: int, steps: int, events: int) -> dict[str
         names = [f"r{r}" for r in range(replicas)]
         for name in names:
             info = ReplicaInfo(name, node_id, segment_name(namespace, name), ROWS, 1, 4096)
-            ray.get([shard.register.remote(info, 1, pack([]), namespace=namespace) for shard in shards])
+            ray.get([shard.register.remote(info, 1, encode_stored([]), namespace=namespace) for shard in shards])
         shard_procs = actor_processes("DirectoryShard", num_shards)
         agent_procs = actor_processes("NodeAgent", 1)
         half = events // 2
 
         def payload(step: int) -> bytes:
-            return pack((
-                [(key(step * events + i), (step * events + i) % ROWS, step + 1) for i in range(half)],
-                [key((step - 1) * events + i) for i in range(half) if step > 0],
-            ))
+            return encode_changes([(key(step * events + i), (step * events + i) % ROWS, step + 1) for i in range(half)], [key((step - 1) * events + i) for i in range(half) if step > 0])
 
         relayed = {}
         agent_before, shards_before, started = cpu_seconds(agent_procs), cpu_seconds(shard_procs), time.monotonic()

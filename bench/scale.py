@@ -6,12 +6,12 @@
 
 Shard state (no Ray). One DirectoryState is filled, 500-key publishes from 8 replicas
 taking turns, to each size of --keys (36-byte keys, one holder each, rows and generations
-as a pool hands them out). Every publish goes through pack/unpack, as it crosses Ray, so
+as a pool hands them out). Every publish is encoded and decoded, as it crosses Ray, so
 the state holds its own copy of every object. At each size (rates per CPU second of this
 process's thread, so that other processes on the cores do not count, the fastest of 3
 passes):
   memory per key   growth of the process's RSS since before the first key, / keys
-  publish          events/s of a shard's work for a publish call (unpack, apply), each
+  publish          events/s of a shard's work for a publish call (decode, apply), each
                    call removing a replica's 500 oldest keys and storing 500 new ones
   worst ms         CPU time of the slowest of those calls: the longest another call to
                    the shard waits behind one publish (a table of holders rebuilding)
@@ -19,9 +19,9 @@ passes):
                    shard's keys rebuilds its table, as the holders once were
   query            keys/s of a shard's work for a query call of 1,000 held keys
   serve            keys/s of a shard's work to send one follower one publish it has not
-                   seen (slice the change log, pack), and the packed bytes per event
+                   seen (slice the change log, encode), and the encoded bytes per event
 Then, at the largest size, the memory of a second holder of a key (another replica
-publishes 100k held keys again); and a follower's view (distkv.directory.link.ShardView) of up
+publishes 100k held keys again); and a follower's view (distkv.directory.follower.ShardView) of up
 to 1M keys: what it holds on to (tracemalloc, once the applied changes are gone) and how
 fast it applies them.
 
@@ -119,11 +119,10 @@ from distkv.directory.records import Changes, Cursor, ReplicaInfo  # noqa: E402
 from distkv.directory.state import DirectoryState  # noqa: E402
 from distkv.directory.publisher import DirectPublish, PublishPath, Publisher  # noqa: E402
 from distkv.directory.follower import ShardView  # noqa: E402
-from distkv.directory.wire import pack, unpack  # noqa: E402
 from distkv.directory.placement import shard_of  # noqa: E402
-from distkv.directory.answer import decode_answer, encode_answer  # noqa: E402
+from distkv.directory.wire import decode_answer, encode_answer  # noqa: E402
 from distkv.directory.upkeep import YOUNG_COLLECTION_KEYS, ShardCollections, defer_full_collections  # noqa: E402
-from distkv.directory.wire import unpack_changes  # noqa: E402
+from distkv.directory.wire import decode_changes, decode_feed, encode_changes, encode_feed  # noqa: E402
 from distkv.observability.errors import ErrorLog  # noqa: E402
 from distkv.names import segment_name  # noqa: E402
 from distkv.directory.query_channel import QueryChannel  # noqa: E402
@@ -164,11 +163,11 @@ def key(i: int) -> bytes:
 
 
 def chunk_payload(chunk: int, removed_chunk: int | None) -> bytes:
-    """A packed publish: the keys of `chunk` stored, those of `removed_chunk` removed."""
+    """An encoded publish: the keys of `chunk` stored, those of `removed_chunk` removed."""
     start = chunk * CHUNK
     stored = [(key(i), i % ROWS, 1_700_000_000_000_000_000 + i) for i in range(start, start + CHUNK)]
     removed = [] if removed_chunk is None else [key(i) for i in range(removed_chunk * CHUNK, (removed_chunk + 1) * CHUNK)]
-    return pack((stored, removed))
+    return encode_changes(stored, removed)
 
 
 def rss() -> int:
@@ -196,7 +195,7 @@ class StateBench:
 
     def publish(self, payload: bytes, replica: int) -> None:
         """The shard's work for one publish call."""
-        stored, removed = unpack_changes(payload, "publish")
+        stored, removed = decode_changes(payload, "publish")
         name = f"r{replica}"
         self.seq[name] += 1
         self.state.publish(name, self.seq[name], stored, removed)
@@ -244,7 +243,7 @@ class StateBench:
 
     def serve_rate(self, calls: int) -> tuple[float, float]:
         """(keys/s, bytes per key) of serving a follower one publish it has not seen: the
-        shard's work for a `changes` call (slice the log, pack), once per follower."""
+        shard's work for a `changes` call (slice the log, encode), once per follower."""
         cursor = self.state.cursor()
         self.publish(chunk_payload(self.end, self.first), self.first % STATE_REPLICAS)
         self.first += 1
@@ -252,7 +251,7 @@ class StateBench:
         changes = self.state.changes
         start = time.thread_time()
         for _ in range(calls):
-            data = pack(changes(cursor))
+            data = encode_feed(changes(cursor))
         elapsed = time.thread_time() - start
         return calls * 2 * CHUNK / elapsed, len(data) / (2 * CHUNK)
 
@@ -264,7 +263,7 @@ class StateBench:
         first = self.first * CHUNK
         for seq, start in enumerate(range(first, first + keys, CHUNK), 1):
             entries = [(key(i), i % ROWS, 1_800_000_000_000_000_000 + i) for i in range(start, start + CHUNK)]
-            stored, removed = unpack(pack((entries, [])))
+            stored, removed = decode_changes(encode_changes(entries, []), "publish")
             self.state.publish(name, seq, stored, removed)
         return (rss() - before) / keys
 
@@ -292,9 +291,9 @@ def view_figures(keys: int) -> dict[str, float]:
     """A follower's ShardView of `keys` keys (one holder each): the bytes per key of all it
     holds on to (traced once the applied changes are gone), and keys/s applied."""
     entries = [(key(i), i % ROWS, 1_700_000_000_000_000_000 + i) for i in range(keys)]
-    data = pack(Changes(Cursor("epoch", 1, 1), [("r0", "node0", entries, [])], {}, False))
+    data = encode_feed(Changes(Cursor("epoch", 1, 1), [("r0", "node0", entries, [])], {}, False))
     del entries
-    changes = unpack(data)
+    changes = decode_feed(data)
     view = ShardView(exclude="me")
     start = time.thread_time()
     view.apply(changes)
@@ -303,7 +302,7 @@ def view_figures(keys: int) -> dict[str, float]:
     gc.collect()
     tracemalloc.start()
     try:
-        changes = unpack(data)
+        changes = decode_feed(data)
         view = ShardView(exclude="me")
         view.apply(changes)
         del changes

@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runs from a chec
 import ray  # noqa: E402
 
 from distkv.demo.runner import token_auth_on  # noqa: E402
-from distkv.directory.wire import MAX_CALL_KEYS, pack, unpack  # noqa: E402
+from distkv.directory.wire import MAX_CALL_KEYS, decode_feed, encode_changes, encode_stored  # noqa: E402
 from distkv.directory.records import ReplicaInfo  # noqa: E402
 from distkv.names import segment_name  # noqa: E402
 from ray_actors.directory import get_or_create_shards, kill_shards  # noqa: E402
@@ -49,10 +49,10 @@ def fill(shard, namespace: str, keys: int, replicas: int) -> None:
     for r in range(replicas):
         name = f"r{r}"
         info = ReplicaInfo(name, node_id, segment_name(namespace, name), ROWS, 1, 4096)
-        ray.get(shard.register.remote(info, 1, pack([]), namespace=namespace))
+        ray.get(shard.register.remote(info, 1, encode_stored([]), namespace=namespace))
         for seq, start in enumerate(range(0, per, CHUNK), start=2):
             stored = [(key(r * per + i), i % ROWS, 1) for i in range(start, min(per, start + CHUNK))]
-            ray.get(shard.publish.remote(name, seq, pack((stored, [])), None, namespace=namespace))
+            ray.get(shard.publish.remote(name, seq, encode_changes(stored, []), None, namespace=namespace))
 
 
 class Prober(threading.Thread):
@@ -101,7 +101,7 @@ def main() -> None:
         time.sleep(AFTER_S)
         prober.stop.set()
         prober.join()
-        held = sum(len(stored) for _, _, stored, _ in unpack(answers[0]).entries)
+        held = sum(len(stored) for _, _, stored, _ in decode_feed(answers[0]).entries)
         if held != args.keys // args.replicas * args.replicas:
             raise RuntimeError(f"the snapshot holds {held:,} keys, not {args.keys:,}")
         baseline = figures([t for sent, t in prober.times if sent < started])

@@ -18,6 +18,11 @@ STORE_POLICIES = ("always", "dedupe")
 TRANSPORTS = ("auto", "nixl", "object_store")
 # how a replica learns what others hold (distkv.directory.link.DirectoryLink's `view`)
 DIRECTORY_VIEWS = ("auto", "push", "query")
+# The format of what crosses between a replica and its Directory (distkv.directory.wire). A
+# part of the cache namespace: replicas and shards of different formats never meet, and a
+# rolling upgrade across a change of it runs the two side by side, each in a namespace of
+# its own (docs/operations.md, "Rolling upgrades").
+DIRECTORY_FORMAT = 2
 
 # Keys that vLLM's OffloadingConnector itself reads from the same dict.
 CONNECTOR_KEYS = frozenset({"spec_name", "spec_module_path", "block_size"})
@@ -214,5 +219,7 @@ def namespace_inputs(identity: KVIdentity, tenant_salt: str) -> str:
 def cache_namespace(identity: KVIdentity, tenant_salt: str = "") -> str:
     """The cache namespace: a short digest of `identity` and the tenant salt. Replicas share
     blocks only within one namespace."""
-    canonical = json.dumps({"kv": asdict(identity), "salt": tenant_salt}, sort_keys=True, default=str)
+    canonical = json.dumps(
+        {"kv": asdict(identity), "salt": tenant_salt, "directory": DIRECTORY_FORMAT}, sort_keys=True, default=str
+    )
     return hashlib.sha256(canonical.encode()).hexdigest()[:16]

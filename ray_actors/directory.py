@@ -36,12 +36,12 @@ from distkv.directory.wire import (
     MAX_RELAYED_PUBLISHES,
     check_namespace,
     check_stored,
-    unpack_changes,
-    unpack_stored,
+    decode_changes,
+    decode_stored,
+    encode_answer,
 )
 from distkv.directory.upkeep import Lateness, ShardCollections, defer_full_collections
 from distkv.directory.snapshot import SnapshotBuilder
-from distkv.directory.answer import encode_answer
 from distkv.names import RAY_NAMESPACE, check_pool_namespace, parse_shard_name, shard_name
 from distkv.directory.query_channel import TOKEN_BYTES, QueryChannel, QueryServer, channel_allowed
 from ray_actors.node_watcher import node_watcher
@@ -73,9 +73,9 @@ MAX_FOLLOWERS = 4096
 class DirectoryShard:
     """One shard of the Directory. Every method returns promptly except `changes`.
 
-    Bulk payloads cross as `distkv.directory.link.pack`ed bytes: stored entries come as a
-    packed list of (key, row, generation), taken in as plain data only, and changes go back
-    packed; query answers go back typed (`distkv.directory.answer`).
+    Bulk payloads cross typed and bounded (`distkv.directory.wire`): a register's stored
+    entries and a publish's changes come in encoded, and a follower's changes and a
+    query's answer go back encoded.
     `changes` runs in FOLLOWERS_GROUP, every other method on the default event loop,
     which alone changes the state; `_lock` keeps the followers' reads of it whole. A
     snapshot is collected on the default loop a step at a time between its other calls
@@ -113,12 +113,12 @@ class DirectoryShard:
 
     @ray.method(max_task_retries=0)
     async def register(self, info: ReplicaInfo, seq: int, stored: bytes, namespace: str) -> tuple[str, bool, float]:
-        """Register a replica afresh and publish everything it holds (packed entries), as one
+        """Register a replica afresh and publish everything it holds (encoded entries), as one
         change; (epoch, True, the interval the replica is to leave between its calls).
 
         Every call that changes or reads holders refuses another cache `namespace` (ValueError),
         and `register` a replica whose pool is not a segment of this shard's namespace. Every
-        call checks all it carries (`unpack_stored`, `unpack_changes`: MAX_CALL_KEYS keys at
+        call checks all it carries (`decode_stored`, `decode_changes`: MAX_CALL_KEYS keys at
         most, plain data) before it applies any of it: bad input is a ValueError and changes
         nothing. The calls that carry bulk (`register`, `publish`, `publish_many`, `query`)
         are not sent again to the shard's next incarnation when it dies under them: the one
@@ -129,7 +129,7 @@ class DirectoryShard:
         self._check(namespace)
         if type(seq) is not int:
             raise ValueError(f"register: seq {seq!r:.80} is not an int")
-        stored = unpack_stored(stored, "register")
+        stored = decode_stored(stored, "register")
         if isinstance(info, ReplicaInfo):  # else register says what is wrong
             check_pool_namespace(info.pool_name, self._namespace)
             check_stored(stored, info.num_rows)
@@ -145,14 +145,14 @@ class DirectoryShard:
     async def publish(
         self, replica_id: str, seq: int, changes: bytes, report: dict | None, namespace: str
     ) -> tuple[str, bool, float]:
-        """Apply a packed (stored, removed); (epoch, whether the replica is registered, the
+        """Apply an encoded (stored, removed); (epoch, whether the replica is registered, the
         interval it is to leave between its calls: `DirectoryState.publish_interval`).
 
         See `DirectoryState.publish`. `report`: the replica's latest stats, if sent along.
         """
         started = time.perf_counter()
         self._check(namespace)
-        stored, removed = unpack_changes(changes, "publish")
+        stored, removed = decode_changes(changes, "publish")
         if report is not None and not isinstance(report, dict):
             raise ValueError(f"publish: report {report!r:.80} is not a dict")
         with self._lock:
@@ -217,7 +217,7 @@ class DirectoryShard:
 
     @ray.method(concurrency_group=FOLLOWERS_GROUP)
     async def changes(self, cursor: Cursor | None, timeout_s: float, namespace: str, follower: str | None = None) -> bytes:
-        """The packed changes after `cursor` (see `DirectoryState.packed_changes`), once
+        """The encoded changes after `cursor` (see `DirectoryState.packed_changes`), once
         they hold something besides the `follower` replica's own (which its link knows
         already), or after `timeout_s`."""
         self._check(namespace)
@@ -383,7 +383,7 @@ def shard_nodes(nodes: Sequence[dict], num_shards: int) -> list[str]:
 
 class ShardActorClient:
     """A `DirectoryShard` actor of cache namespace `namespace` as a
-    `distkv.directory.link.ShardClient`: each method calls the actor's and returns the Future of
+    `distkv.directory.client.ShardClient`: each method calls the actor's and returns the Future of
     its answer, but `query`, which goes over the shard's `QueryChannel` once that is
     connected (the first query starts connecting it), where `channel_allowed`."""
 

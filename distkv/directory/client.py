@@ -48,7 +48,7 @@ class ShardClient(Protocol):
 # A register, publish or query carries at most this many keys (all a shard takes in one
 # call); the rest follow in the next batches. A re-register after a shard's restart would
 # otherwise carry the replica's whole pool in one call and one log entry, which the shard
-# checks, logs and pickles for every follower on its one thread while every other call waits.
+# checks, logs and encodes for every follower on its one thread while every other call waits.
 MAX_BATCH_KEYS = MAX_CALL_KEYS
 
 

@@ -7,8 +7,8 @@ from collections.abc import Callable
 
 from distkv.directory.changelog import ChangeLog
 from distkv.directory.records import Changes, Cursor, ReplicaInfo
-from distkv.directory.snapshot import PackedEntries, Snapshot, SnapshotBuilder, joined
-from distkv.directory.wire import pack
+from distkv.directory.snapshot import Snapshot, SnapshotBuilder
+from distkv.directory.wire import PackedEntries, encode_feed
 
 # A `changes` answer from the log carries whole entries of this many keys at most (one
 # entry at least), so that a follower far behind costs the shard bounded work per answer
@@ -45,7 +45,7 @@ class ChangeFeed:
             entries = log.since(position, MAX_ANSWER_KEYS)
             return Changes(now._replace(position=position + len(entries)), entries, replicas, False)
         changes = self.snapshot_answer(self._build_snapshot())
-        return changes._replace(entries=joined(changes.entries.chunks, changes.entries.tail))
+        return changes._replace(entries=changes.entries.entries())
 
     def packed_changes(self, cursor: Cursor | None) -> bytes:
         """`pack(self.changes(cursor))`, packed once for every follower that asks from the
@@ -80,7 +80,7 @@ class ChangeFeed:
                 return None
         else:
             changes = self.changes(cursor)
-        packed = self._packed[start] = pack(changes)
+        packed = self._packed[start] = encode_feed(changes)
         return packed
 
     def keep_snapshot(self, snapshot: Snapshot) -> None:

@@ -8,7 +8,7 @@ from concurrent.futures import Future
 from distkv.abstract import OffloadKey
 from distkv.directory.client import ShardClient, backoff
 from distkv.directory.records import Changes, Cursor, Holder, ReplicaInfo, drop_holder, with_holder
-from distkv.directory.wire import unpack
+from distkv.directory.wire import decode_feed
 from distkv.observability.errors import ErrorLog
 
 # How long a shard holds a change poll open when nothing changes.
@@ -84,7 +84,7 @@ class Follower:
 
     def _done(self, future: Future, now: float) -> None:
         try:
-            changes = unpack(future.result())
+            changes = decode_feed(future.result())
         except Exception as e:
             self._failed(now, e)
             return

@@ -35,7 +35,7 @@ from typing import NamedTuple, Protocol
 
 from distkv.abstract import OffloadKey
 from distkv.config import DIRECTORY_VIEWS
-from distkv.directory.answer import decode_answer
+from distkv.directory.wire import decode_answer
 from distkv.directory.client import ShardClient, Waker
 from distkv.directory.placement import shard_of
 from distkv.directory.publisher import DirectPublish, PublishPath, Publisher

@@ -21,7 +21,7 @@ from distkv.abstract import OffloadKey
 from distkv.directory.client import MAX_BATCH_KEYS, ShardClient, backoff
 from distkv.directory.records import ReplicaInfo, StoredEntry
 from distkv.directory.state import FLUSH_INTERVAL_S
-from distkv.directory.wire import pack
+from distkv.directory.wire import encode_changes, encode_stored
 from distkv.observability.errors import ErrorLog
 
 logger = logging.getLogger(__name__)
@@ -263,10 +263,10 @@ class Publisher:
         self.last_sent = now
         try:
             if kind is CallKind.REGISTER:
-                future = self.client.register(self.info, seq, pack(stored), self.namespace)
+                future = self.client.register(self.info, seq, encode_stored(stored), self.namespace)
             else:
                 future = self.path.publish(
-                    self.index, self.info.replica_id, seq, pack((stored, removed)), self._report(now)
+                    self.index, self.info.replica_id, seq, encode_changes(stored, removed), self._report(now)
                 )
         except Exception as e:
             self._failed(kind, batch, e, now)

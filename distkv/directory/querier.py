@@ -7,7 +7,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 
 from distkv.abstract import OffloadKey
-from distkv.directory.answer import decode_answer
+from distkv.directory.wire import decode_answer
 from distkv.directory.client import MAX_BATCH_KEYS, ShardClient
 from distkv.directory.records import ReplicaInfo
 from distkv.observability.errors import ErrorLog

@@ -19,7 +19,7 @@ connection (keyed BLAKE2b of the frame and its number in its direction): a frame
 replayed, dropped or injected on the way closes the connection. A connection is bound to
 one cache namespace, which its hello names and the server checks once. Nothing is
 unpickled either way: requests are length-prefixed keys, answers the shard's typed answers
-(`distkv.directory.answer`). The channel is not encrypted, as Ray's own traffic is not by
+(`distkv.directory.wire`). The channel is not encrypted, as Ray's own traffic is not by
 default; where Ray's is (`RAY_USE_TLS`), shards serve no channel and queries stay on Ray
 (`channel_allowed`).
 
@@ -58,8 +58,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 
 from distkv.abstract import OffloadKey
-from distkv.directory.answer import MAX_ANSWER_BYTES
-from distkv.directory.wire import MAX_CALL_KEYS
+from distkv.directory.wire import MAX_ANSWER_BYTES, MAX_CALL_KEYS
 from distkv.storage.slots import MAX_KEY_BYTES
 
 logger = logging.getLogger(__name__)
@@ -369,7 +368,7 @@ class QueryChannel:
     `connect()` starts connecting in the background: `endpoint()` is the Future of the
     shard's (host, port, token) (its Ray method), then the handshake (`client_handshake`).
     Every answer is checked to come from the server that proved itself and handed on as
-    it came, bytes for the caller to decode (`distkv.directory.answer`). A lost connection fails
+    it came, bytes for the caller to decode (`distkv.directory.wire.decode_answer`). A lost connection fails
     every request in flight with ConnectionError; the next `connect()` tries again after
     RECONNECT_DELAY_S, doubled after each failed try in a row up to MAX_RECONNECT_DELAY_S.
     Thread-safe.

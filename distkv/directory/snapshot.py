@@ -9,8 +9,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, NamedTuple
 
 from distkv.abstract import OffloadKey
-from distkv.directory.records import Cursor, LogEntry
-from distkv.directory.wire import pack, unpack
+from distkv.directory.records import Cursor
+from distkv.directory.wire import encode_entry
 
 if TYPE_CHECKING:
     from distkv.directory.state import DirectoryState
@@ -20,27 +20,9 @@ if TYPE_CHECKING:
 SNAPSHOT_STEP_KEYS = 1 << 11
 
 
-class PackedEntries:
-    """A snapshot answer's entries: the chunks a `SnapshotBuilder` packed, then the log's
-    entries since its cursor. Pickled, the chunks cost a copy of their bytes, not a pass
-    over every entry; unpickled, they are one plain list of entries, in order."""
-
-    def __init__(self, chunks: list[bytes], tail: list[LogEntry]) -> None:
-        self.chunks = chunks
-        self.tail = tail
-
-    def __reduce__(self):
-        return joined, (self.chunks, self.tail)
-
-
-def joined(chunks: list[bytes], tail: list[LogEntry]) -> list[LogEntry]:
-    """The entries of packed `chunks`, then `tail` (how `PackedEntries` unpickles)."""
-    return [entry for chunk in chunks for entry in unpack(chunk)] + tail
-
-
 class Snapshot(NamedTuple):
     """A complete `SnapshotBuilder`'s snapshot: the log's cursor it started at, and each
-    replica's holders in packed chunks, (replica_id, packed [LogEntry])."""
+    replica's holders in encoded chunks, (replica_id, an encoded LogEntry)."""
 
     cursor: Cursor
     chunks: list[tuple[str, bytes]]
@@ -89,7 +71,7 @@ class SnapshotBuilder:
                 self._keys = []
                 continue
             node_id, stored = held
-            self._chunks.append((self._replica, pack([(self._replica, node_id, stored, [])])))
+            self._chunks.append((self._replica, encode_entry((self._replica, node_id, stored, []))))
         return False
 
     def snapshot(self) -> Snapshot:

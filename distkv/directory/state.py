@@ -30,7 +30,7 @@ from distkv.directory.records import (
 from distkv.directory import feed
 from distkv.directory.feed import ChangeFeed
 from distkv.directory.snapshot import Snapshot, SnapshotBuilder
-from distkv.directory.wire import MAX_RELAYED_PUBLISHES, check_stored, unpack_changes
+from distkv.directory.wire import MAX_RELAYED_PUBLISHES, check_stored, decode_changes
 from distkv.storage.keys import check_keys
 
 # A shard asks each replica to leave this long between its calls at least, so that a
@@ -185,7 +185,7 @@ class DirectoryState:
         for item in items:
             try:
                 replica_id, seq, changes, report = item
-                stored, removed = unpack_changes(changes, f"replica {replica_id!r:.80}'s relayed publish")
+                stored, removed = decode_changes(changes, f"replica {replica_id!r:.80}'s relayed publish")
                 if report is not None and not isinstance(report, dict):
                     raise ValueError(f"report {report!r} is not a dict")
                 known = self.publish(replica_id, seq, stored, removed)

@@ -26,8 +26,8 @@ from workload import (
 )
 
 from distkv.directory.records import ReplicaInfo
-from distkv.directory.wire import pack
-from distkv.directory.answer import decode_answer
+from distkv.directory.wire import encode_changes, encode_stored
+from distkv.directory.wire import decode_answer
 from distkv.replica.harness import block_keys
 from distkv.names import segment_name
 from distkv.storage.pool import PoolLayout
@@ -363,8 +363,8 @@ def test_directory_and_node_agent_refuse_another_namespace(cluster, make_workloa
     other = "f" * 16 if w.namespace != "f" * 16 else "e" * 16
     info = ReplicaInfo("intruder", n1.node_id, segment_name(other, "intruder"), 64, 1, SLOT_BYTES)
     calls = [
-        shard.register.remote(info, 1, pack([]), namespace=other),
-        shard.publish.remote("a", 1 << 40, pack(([], [key])), None, namespace=other),
+        shard.register.remote(info, 1, encode_stored([]), namespace=other),
+        shard.publish.remote("a", 1 << 40, encode_changes([], [key]), None, namespace=other),
         shard.unregister.remote("a", namespace=other),
         shard.query.remote([key], namespace=other),
         shard.changes.remote(None, 0.1, namespace=other),

@@ -17,7 +17,7 @@ from ray._private import internal_api
 from ray.experimental.internal_kv import _internal_kv_del
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from distkv.directory.answer import decode_answer
+from distkv.directory.wire import decode_answer
 from distkv.replica.harness import block_keys
 from distkv.names import RAY_NAMESPACE, SEGMENT_PREFIX, agent_name, segment_name
 from distkv.replica.specs import ClusterOffloadingSpec

@@ -13,7 +13,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from distkv.directory.link import DirectoryLink
 from distkv.directory.records import ReplicaInfo
-from distkv.directory.wire import pack
+from distkv.directory.wire import encode_stored
 from distkv.directory.placement import shard_of
 from distkv.names import segment_name
 from ray_actors.directory import get_or_create_shards, head_node_id, kill_shards, shard_clients, shard_nodes
@@ -40,8 +40,8 @@ def test_holders_on_a_dead_node_are_dropped(cluster):
         keys = [i.to_bytes(8, "big") * 4 + b"\0\0\0\0" for i in range(16)]
         on_worker = ReplicaInfo("far", worker.node_id, segment_name(namespace, "far"), 16, 1, 4096)
         on_head = ReplicaInfo("near", head, segment_name(namespace, "near"), 16, 1, 4096)
-        ray.get([shard.register.remote(on_worker, 1, pack([(k, i, 1) for i, k in enumerate(keys)]), namespace=namespace) for shard in shards])
-        ray.get([shard.register.remote(on_head, 1, pack([(k, i, 1) for i, k in enumerate(keys[:4])]), namespace=namespace) for shard in shards])
+        ray.get([shard.register.remote(on_worker, 1, encode_stored([(k, i, 1) for i, k in enumerate(keys)]), namespace=namespace) for shard in shards])
+        ray.get([shard.register.remote(on_head, 1, encode_stored([(k, i, 1) for i, k in enumerate(keys[:4])]), namespace=namespace) for shard in shards])
         watcher.stored([(k, i, 1) for i, k in enumerate(keys[:4])])
         deadline = time.monotonic() + 10
         while not all(len(holders) == 3 for holders in watcher.query(keys[:4])):

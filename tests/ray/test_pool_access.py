@@ -16,7 +16,7 @@ import ray
 pytest.importorskip("nixl")
 
 from distkv.directory.records import ReplicaInfo  # noqa: E402
-from distkv.directory.wire import unpack  # noqa: E402
+from distkv.directory.wire import decode_answer, decode_feed  # noqa: E402
 from distkv.transfer.endpoint_seal import EndpointSeal, new_secret  # noqa: E402
 from distkv.replica.harness import Replica, block_keys  # noqa: E402
 from distkv.replica.specs import ClusterOffloadingSpec  # noqa: E402
@@ -52,11 +52,11 @@ def infos_any_caller_gets(namespace: str, keys: list[bytes], replica_id: str) ->
     asks for them: the changes a follower reads, and a query's answer once the replica's
     blocks are in it."""
     (shard,) = get_or_create_shards(namespace, 1)
-    changes = unpack(ray.get(shard.changes.remote(None, 0.0, namespace), timeout=60))
+    changes = decode_feed(ray.get(shard.changes.remote(None, 0.0, namespace), timeout=60))
     # how soon the blocks reach the Directory is not under test: the bound only keeps a
     # broken link from hanging the suite
     deadline = time.monotonic() + 60
-    while not all((answer := unpack(ray.get(shard.query.remote(keys, namespace), timeout=60)))[0]):
+    while not all((answer := decode_answer(ray.get(shard.query.remote(keys, namespace), timeout=60), len(keys)))[0]):
         assert time.monotonic() < deadline, "the replica's blocks never reached the Directory"
         time.sleep(0.01)
     holders, named = answer

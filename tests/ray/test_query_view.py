@@ -11,8 +11,8 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from distkv.directory.records import ReplicaInfo
-from distkv.directory.wire import pack
-from distkv.directory.answer import decode_answer
+from distkv.directory.wire import encode_changes, encode_stored
+from distkv.directory.wire import decode_answer
 from distkv.directory.placement import shard_of
 from distkv.replica.harness import Replica, block_keys
 from distkv.names import RAY_NAMESPACE, agent_name, segment_name
@@ -112,10 +112,10 @@ def test_an_agent_closes_a_relay_nobody_uses_and_a_later_publish_gets_a_new_one(
         first, second = block_keys(prompt(6), BLOCK_TOKENS)[:2]
         shard = shard_of(first, SHARDS)
         info = ReplicaInfo("r", node_id, segment_name(namespace, "r"), 64, 1, 4096)
-        ray.get(shards[shard].register.remote(info, 0, pack([]), namespace=namespace))
+        ray.get(shards[shard].register.remote(info, 0, encode_stored([]), namespace=namespace))
 
         def publish(seq: int, key: bytes) -> None:
-            items = [(shard, "r", seq, pack(([(key, seq, seq)], [])), None)]
+            items = [(shard, "r", seq, encode_changes([(key, seq, seq)], []), None)]
             [answer] = ray.get(agent.relay.remote(namespace, SHARDS, items))
             assert not isinstance(answer, str) and answer[1] is True, answer
 

@@ -1,10 +1,9 @@
-"""A Directory shard as a `distkv.directory.link.ShardClient` whose calls the test answers (no Ray)."""
+"""A Directory shard as a `distkv.directory.client.ShardClient` whose calls the test answers (no Ray)."""
 
 from concurrent.futures import Future
 
 from distkv.directory.state import DirectoryState
-from distkv.directory.wire import unpack
-from distkv.directory.answer import encode_answer
+from distkv.directory.wire import decode_changes, decode_stored, encode_answer
 
 
 def key(i: int) -> bytes:
@@ -83,11 +82,11 @@ class FakeShard:
 
     def _register(self, info, seq, stored, namespace):
         self.state.register(info)
-        self.state.publish(info.replica_id, seq, unpack(stored), ())
+        self.state.publish(info.replica_id, seq, decode_stored(stored, "register"), ())
         return self.state.epoch, True, self.state.publish_interval()
 
     def _publish(self, replica_id, seq, changes, report, namespace):
-        stored, removed = unpack(changes)
+        stored, removed = decode_changes(changes, "publish")
         known = self.state.publish(replica_id, seq, stored, removed)
         if known and report is not None:
             self.state.set_report(replica_id, report)

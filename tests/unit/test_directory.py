@@ -1,6 +1,5 @@
 import gc
 import hashlib
-import pickle
 
 import pytest
 from hypothesis import given, settings
@@ -373,20 +372,20 @@ def test_a_follower_far_behind_gets_bounded_answers_and_converges(state, monkeyp
 
 def test_followers_at_one_cursor_share_one_packed_answer_until_the_log_changes(state, monkeypatch):
     packs = []
-    monkeypatch.setattr(feed, "pack", lambda payload: packs.append(payload) or pickle.dumps(payload))
+    monkeypatch.setattr(feed, "encode_feed", lambda payload: packs.append(payload) or wire.encode_feed(payload))
     state.publish("a", 1, [(key(1), 1, 1)], [])
     behind = state.cursor()
     state.publish("a", 2, [(key(2), 2, 2)], [])
     answers = [state.packed_changes(behind) for _ in range(50)]
     assert len(packs) == 1 and all(a is answers[0] for a in answers)
-    assert pickle.loads(answers[0]) == state.changes(behind)
+    assert wire.decode_feed(answers[0]) == state.changes(behind)
     stale = [Cursor("an earlier epoch", 3, 0), None, Cursor(state.epoch, 10**6, 0)]
     assert len({state.packed_changes(c) for c in stale}) == 1 and state.stats()["snapshots"] == 1  # one snapshot for all
     packed = len(packs)
     state.packed_changes(Cursor(behind.epoch, behind.position, behind.replicas_version - 1))
     assert len(packs) == packed + 1  # that one needs the set of replicas too
     state.publish("b", 1, [(key(3), 3, 3)], [])  # a change: answered afresh
-    assert pickle.loads(state.packed_changes(behind)) == state.changes(behind) and len(packs) == packed + 2
+    assert wire.decode_feed(state.packed_changes(behind)) == state.changes(behind) and len(packs) == packed + 2
     state.publish("b", 1, [(key(3), 3, 3)], [])  # a retry changes nothing
     state.packed_changes(behind)
     assert len(packs) == packed + 2
@@ -460,7 +459,7 @@ def built(s: DirectoryState, between=lambda step: None, max_keys: int = 1) -> Sh
             break
     between(step)  # and once complete, before it is answered
     view = ShardView()
-    view.apply(wire.unpack(wire.pack(s.snapshot_answer(builder.snapshot()))))
+    view.apply(wire.decode_feed(wire.encode_feed(s.snapshot_answer(builder.snapshot()))))
     assert view.cursor == s.cursor()  # the answer carries the log since the snapshot's cursor
     return view
 
@@ -515,7 +514,7 @@ def test_one_snapshot_serves_the_followers_that_need_one_while_its_cursor_is_in_
 
     def joined() -> ShardView:
         view = ShardView()
-        view.apply(pickle.loads(s.packed_changes(None)))
+        view.apply(wire.decode_feed(s.packed_changes(None)))
         assert view.cursor == s.cursor()  # current from its first answer
         return view
 

@@ -8,15 +8,15 @@ import numpy as np
 import pytest
 from directory_fakes import key
 
-from distkv.directory.answer import (
+from distkv.directory.wire import (
     ANSWER_FORMAT,
     MAX_ANSWER_BYTES,
     MAX_ENDPOINT_BYTES,
     MAX_NAME_BYTES,
-    AnswerError,
     decode_answer,
     encode_answer,
 )
+from distkv.directory.wire import WireError as AnswerError
 from distkv.directory.state import DirectoryState
 from distkv.directory.records import ReplicaInfo
 

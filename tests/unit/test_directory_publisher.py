@@ -8,7 +8,7 @@ from directory_fakes import FakeShard, key
 from distkv.directory.state import FLUSH_INTERVAL_S, DirectoryState
 from distkv.directory.publisher import HEARTBEAT_INTERVAL_S, DirectPublish, Publisher
 from distkv.directory.records import ReplicaInfo
-from distkv.directory.wire import unpack
+from distkv.directory.wire import decode_changes, decode_stored
 from distkv.directory.state import MAX_FLUSH_INTERVAL_S
 from distkv.observability.errors import ErrorLog
 
@@ -42,8 +42,11 @@ class Rig:
         self.publisher.queued(self.now, self.now, lagged=True)
 
     def sent(self) -> list[tuple[str, tuple]]:
-        """The calls in flight, their payloads unpacked."""
-        return [(m, tuple(unpack(a) if isinstance(a, bytes) else a for a in args)) for m, args, _ in self.shard.calls]
+        """The calls in flight, their payloads decoded."""
+        decode = {"register": decode_stored, "publish": decode_changes}
+        return [
+            (m, tuple(decode[m](a, m) if isinstance(a, bytes) else a for a in args)) for m, args, _ in self.shard.calls
+        ]
 
 
 @pytest.fixture

@@ -18,7 +18,7 @@ from distkv.directory.state import DirectoryState
 from distkv.directory.records import ReplicaInfo
 from distkv.directory.follower import ShardView
 from distkv.directory.placement import shard_of
-from distkv.directory.wire import unpack
+from distkv.directory.wire import decode_changes
 from distkv.directory.placement import prefix_root
 from distkv.observability.errors import ErrorLog
 from distkv.replica.harness import block_keys
@@ -148,7 +148,7 @@ def test_a_request_publishes_to_one_shard_only():
         i
         for i, shard in enumerate(cluster.shards)
         for method, args, _ in shard.calls
-        if method == "publish" and unpack(args[2])[0]
+        if method == "publish" and decode_changes(args[2], method)[0]
     ]
     assert publishing == [shard_of(block_keys(tokens, 16, 1)[0], NUM_SHARDS)]
 

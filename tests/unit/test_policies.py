@@ -2,7 +2,10 @@ from collections import OrderedDict
 
 import pytest
 
-from distkv.replica.policies import ARCPolicy, CachePolicy, LRUPolicy, make_policy
+from distkv.replica.policies.arc import ARCPolicy
+from distkv.replica.policies.base import CachePolicy
+from distkv.replica.policies.lru import LRUPolicy
+from distkv.replica.policies import make_policy
 
 POLICIES = ["lru", "arc"]
 

@@ -11,7 +11,7 @@ from distkv.directory.state import FLUSH_INTERVAL_S
 from distkv.directory.link import DirectoryLink
 from distkv.directory.publisher import DirectPublish, Publisher
 from distkv.directory.records import ReplicaInfo
-from distkv.directory.wire import pack, unpack
+from distkv.directory.wire import encode_changes
 from distkv.directory.state import DirectoryState, publish_interval
 from distkv.observability.errors import ErrorLog
 from distkv.directory.relay import PublishRelay, RelayBatch
@@ -92,9 +92,9 @@ def test_one_call_in_flight_per_shard_and_the_next_waits_the_shards_interval(mon
     relay = PublishRelay("ns", [shard])
     for r in "ab":
         shard.state.register(info(r))
-    first = relay.publish(0, "a", 1, pack(([(key(1), 1, 2)], [])), None)
+    first = relay.publish(0, "a", 1, encode_changes([(key(1), 1, 2)], []), None)
     relay.step(10.0)
-    second = relay.publish(0, "b", 1, pack(([(key(2), 2, 3)], [])), None)
+    second = relay.publish(0, "b", 1, encode_changes([(key(2), 2, 3)], []), None)
     relay.step(10.1)
     assert [[item[0] for item in args[0]] for _, args, _ in shard.calls] == [["a"]]
     shard.answer()
@@ -112,10 +112,10 @@ def test_a_call_carries_what_fits_under_the_bound_and_the_rest_goes_once_it_is_a
     relay = PublishRelay("ns", [shard])
     for r in "abcd":
         shard.state.register(info(r))
-    payload = pack(([], []))
-    padded = payload + bytes(100 - len(payload))  # 100 bytes: pickle ignores what follows its end
+    padded = encode_changes([], [b"\x01" * 46, b"\x02" * 46])  # removals of keys nobody holds: 100 bytes
+    assert len(padded) == 100
     futures = [relay.publish(0, r, 1, padded, None) for r in "abc"]
-    big = relay.publish(0, "d", 1, padded * 3, None)  # over the bound alone: goes alone
+    big = relay.publish(0, "d", 1, encode_changes([], [bytes([i + 1]) * 72 for i in range(4)]), None)  # 300 bytes: alone
     relay.step(10.0)
     assert [[item[0] for item in args[0]] for _, args, _ in shard.calls] == [["a", "b"]]
     shard.answer()
@@ -180,9 +180,9 @@ def test_one_replicas_bad_publish_is_refused_alone():
     relay = PublishRelay("ns", [relay_shard])
     for r in "ab":
         relay_shard.state.register(info(r))
-    good = relay.publish(0, "a", 1, pack(([(key(1), 1, 2)], [])), None)
+    good = relay.publish(0, "a", 1, encode_changes([(key(1), 1, 2)], []), None)
     bad = relay.publish(0, "b", 1, b"not a payload", None)
-    unknown = relay.publish(0, "z", 1, pack(([], [])), None)
+    unknown = relay.publish(0, "z", 1, encode_changes([], []), None)
     relay.step(0.0)
     relay_shard.answer()
     relay.step(0.0)
@@ -200,9 +200,9 @@ def test_publish_relayed_refuses_what_is_not_a_list_and_changes_nothing():
     with pytest.raises(ValueError, match="not a list"):
         state.publish_relayed(b"abc")
     assert state.stats() == before
-    assert state.publish_relayed([("a", 1, pack(([(key(1), 1, 2)], [])), {"rows": 1})]) == [True]
+    assert state.publish_relayed([("a", 1, encode_changes([(key(1), 1, 2)], []), {"rows": 1})]) == [True]
     assert state.replicas()[0]["report"] == {"rows": 1}
-    assert isinstance(state.publish_relayed([("a", 2, pack(([], [])), "not a dict")])[0], str)
+    assert isinstance(state.publish_relayed([("a", 2, encode_changes([], []), "not a dict")])[0], str)
 
 
 def test_each_shard_gets_its_own_call():
@@ -242,7 +242,7 @@ def test_the_relay_thread_sends_a_publish_handed_over_after_a_long_sleep():
     relay.start()
     try:
         shard.state.register(info("a"))
-        future = relay.publish(0, "a", 1, pack(([(key(1), 1, 2)], [])), None)
+        future = relay.publish(0, "a", 1, encode_changes([(key(1), 1, 2)], []), None)
         while not shard.calls:
             pass
         shard.answer()
@@ -260,14 +260,14 @@ def test_a_relay_is_unused_since_its_last_publish_or_answer_and_never_while_it_c
     assert relay.unused_s(130.0) == 30.0  # made at 100, never handed a publish
 
     clock[0] = 140.0
-    relay.publish(0, "a", 1, pack(([(key(1), 1, 2)], [])), None)
+    relay.publish(0, "a", 1, encode_changes([(key(1), 1, 2)], []), None)
     relay.step(140.0)
     shards[0].answer()
     relay.step(140.0)
     assert relay.unused_s(140.0) == 0.0 and relay.unused_s(165.0) == 25.0  # since the publish
 
     clock[0] = 200.0
-    future = relay.publish(1, "a", 1, pack(([(key(2), 2, 3)], [])), None)
+    future = relay.publish(1, "a", 1, encode_changes([(key(2), 2, 3)], []), None)
     assert relay.unused_s(260.0) == 0.0  # queued for shard 1 (shard 0 has nothing)
     relay.step(260.0)
     assert shards[1].in_flight() == ["publish_many"]
@@ -315,9 +315,9 @@ def test_a_replica_hands_over_a_steps_publishes_to_every_shard_in_one_call():
         shard.state.register(info("a"))
     agent = Agent(PublishRelay("ns", shards))
     batch = RelayBatch(agent.send)
-    first = batch.publish(0, "a", 1, pack(([(key(1), 1, 2)], [])), None)
-    second = batch.publish(1, "a", 1, pack(([(key(2), 2, 3)], [])), None)
-    bad = batch.publish(2, "a", 1, pack(([], [])), None)  # the namespace has 2 shards
+    first = batch.publish(0, "a", 1, encode_changes([(key(1), 1, 2)], []), None)
+    second = batch.publish(1, "a", 1, encode_changes([(key(2), 2, 3)], []), None)
+    bad = batch.publish(2, "a", 1, encode_changes([], []), None)  # the namespace has 2 shards
     assert agent.calls == []
     batch.flush()
     batch.flush()  # nothing queued since: no call

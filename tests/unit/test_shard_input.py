@@ -1,21 +1,24 @@
 """What a Directory shard takes in bulk (a register's entries, a publish's changes, the
-publishes a relay carries): bounded, plain data only, checked before anything is applied
-(issue 31, finding 4; no Ray)."""
+publishes a relay carries): bounded, typed plain data only (msgpack: a pickle does not even
+read), checked before anything is applied (issue 31, finding 4; no Ray)."""
 
 import pickle
 
+import msgpack
 import pytest
 from directory_fakes import key
 
-from distkv.directory.answer import decode_answer, encode_answer
+from distkv.config import DIRECTORY_FORMAT
 from distkv.directory.wire import (
     MAX_CALL_KEYS,
     MAX_PAYLOAD_BYTES,
     MAX_RELAYED_PUBLISHES,
-    pack,
-    unpack_changes,
-    unpack_plain,
-    unpack_stored,
+    decode_answer,
+    decode_changes,
+    decode_stored,
+    encode_answer,
+    encode_changes,
+    encode_stored,
 )
 from distkv.directory.state import DirectoryState
 from distkv.directory.records import ReplicaInfo
@@ -36,52 +39,53 @@ class Bomb:
         return (explode, ())
 
 
-def test_a_payload_of_plain_data_crosses_as_packed():
+def test_a_payload_of_plain_data_crosses_encoded():
     stored = [(key(1), 3, 2**64 - 1), (key(2), 0, 7)]
-    assert unpack_plain(pack(stored), "register") == stored
-    assert unpack_stored(pack(stored), "register") == stored
-    assert unpack_changes(pack((stored, [key(3)])), "publish") == (stored, [key(3)])
+    assert decode_stored(encode_stored(stored), "register") == stored
+    assert decode_changes(encode_changes(stored, [key(3)]), "publish") == (stored, [key(3)])
 
 
 @pytest.mark.parametrize(
     "data, problem",
     [
-        (pack([(Bomb(), 1, 1)]), "names test_shard_input.explode: only plain data"),
-        (pickle.dumps(Bomb()), "names test_shard_input.explode"),
-        (pack([ReplicaInfo("x", "n", "p", 1, 1, 1)]), "names distkv.directory.records.ReplicaInfo"),
-        (b"\x80\x05garbage", "not a packed payload"),
-        ("text", "a str, not packed bytes"),
+        (pickle.dumps([(Bomb(), 1, 1)]), "register: not msgpack of this format"),
+        (pickle.dumps(Bomb()), "not msgpack of this format"),
+        (pickle.dumps([ReplicaInfo("x", "n", "p", 1, 1, 1)]), "not msgpack of this format"),
+        (msgpack.packb((DIRECTORY_FORMAT, [msgpack.ExtType(1, b"x")])), "not msgpack of this format"),
+        (msgpack.packb((DIRECTORY_FORMAT - 1, [])), f"not a message of format {DIRECTORY_FORMAT}"),
+        (b"\x80\x05garbage", "not msgpack of this format"),
+        ("text", "a str, not bytes"),
         (bytes(MAX_PAYLOAD_BYTES + 1), f"over {MAX_PAYLOAD_BYTES}"),
     ],
-    ids=["a bomb among the entries", "a bomb", "an object", "not a pickle", "not bytes", "too large"],
+    ids=["a bomb among the entries", "a bomb", "an object", "an extension type", "another format", "garbage", "not bytes", "too large"],
 )
 def test_a_payload_that_is_not_plain_data_of_its_size_is_refused_and_runs_nothing(data, problem):
     with pytest.raises(ValueError, match=problem):
-        unpack_plain(data, "register")
+        decode_stored(data, "register")
     assert not EXPLODED
 
 
 def test_a_call_of_more_keys_than_a_call_carries_or_of_another_shape_is_refused():
     entries = [(key(i), i, 1) for i in range(MAX_CALL_KEYS + 1)]
     with pytest.raises(ValueError, match=f"register: {MAX_CALL_KEYS + 1} stored entries, over {MAX_CALL_KEYS}"):
-        unpack_stored(pack(entries), "register")
+        decode_stored(encode_stored(entries), "register")
     with pytest.raises(ValueError, match=f"publish: {MAX_CALL_KEYS + 1} keys, over {MAX_CALL_KEYS}"):
-        unpack_changes(pack((entries[:-1], [key(0)])), "publish")
+        decode_changes(encode_changes(entries[:-1], [key(0)]), "publish")
     with pytest.raises(ValueError, match="not a list of stored entries"):
-        unpack_stored(pack(7), "register")
+        decode_stored(msgpack.packb((DIRECTORY_FORMAT, 7)), "register")
     with pytest.raises(ValueError, match="not a \\(stored, removed\\) pair"):
-        unpack_changes(pack([[], []]), "publish")
+        decode_changes(msgpack.packb((DIRECTORY_FORMAT, 7, [])), "publish")
 
 
 def test_a_relayed_publish_too_large_or_poisoned_is_refused_alone_and_the_others_applied():
     state = DirectoryState()
     state.register(A)
     state.register(B)
-    good = ("b", 1, pack(([(key(1), 0, 1)], [])), None)
-    poisoned = ("a", 1, pack(([(Bomb(), 0, 1)], [])), None)
-    too_large = ("a", 2, pack(([(key(i), i, 1) for i in range(MAX_CALL_KEYS + 1)], [])), None)
+    good = ("b", 1, encode_changes([(key(1), 0, 1)], []), None)
+    poisoned = ("a", 1, pickle.dumps(([(Bomb(), 0, 1)], [])), None)
+    too_large = ("a", 2, encode_changes([(key(i), i, 1) for i in range(MAX_CALL_KEYS + 1)], []), None)
     results = state.publish_relayed([poisoned, too_large, good])
-    assert "names test_shard_input.explode" in results[0]
+    assert "not msgpack of this format" in results[0]
     assert f"over {MAX_CALL_KEYS}" in results[1]
     assert results[2] is True
     assert not EXPLODED
@@ -92,7 +96,7 @@ def test_a_relayed_publish_too_large_or_poisoned_is_refused_alone_and_the_others
 def test_a_relay_s_call_of_more_publishes_than_a_call_carries_is_refused_whole():
     state = DirectoryState()
     state.register(B)
-    item = ("b", 1, pack(([(key(1), 0, 1)], [])), None)
+    item = ("b", 1, encode_changes([(key(1), 0, 1)], []), None)
     with pytest.raises(ValueError, match=f"over {MAX_RELAYED_PUBLISHES}"):
         state.publish_relayed([item] * (MAX_RELAYED_PUBLISHES + 1))
     assert state.query([key(1)]) == [()]
