@@ -4,13 +4,6 @@ asks, of whichever version during a rolling upgrade (docs/operations.md, "Rollin
 upgrades"). New code imports them from `distkv.observability.stats`.
 """
 
-from distkv.observability.stats import (
-    BlockCounts,
-    LookupCounts,
-    PoolUsage,
-    PromotionCounts,
-    ReplicaStats,
-    TransportCounts,
-)
+from distkv.observability.stats import BlockCounts, LookupCounts, PoolUsage, PromotionCounts, ReplicaStats, TransportCounts
 
 __all__ = ["BlockCounts", "LookupCounts", "PoolUsage", "PromotionCounts", "ReplicaStats", "TransportCounts"]

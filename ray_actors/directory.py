@@ -202,7 +202,7 @@ class DirectoryShard:
     @ray.method(max_task_retries=0)
     async def query(self, keys: Sequence[OffloadKey], namespace: str) -> bytes:
         """The (holders of each key, ReplicaInfo of each replica they name) of
-        `DirectoryState.answer`, encoded as `distkv.directory.answer` says."""
+        `DirectoryState.answer`, encoded as `distkv.directory.wire.encode_answer` says."""
         self._check(namespace)
         return self._answer(keys)
 

@@ -19,7 +19,7 @@ class ShardClient(Protocol):
     `ray_actors.directory.DirectoryShard`), each returning at once a Future of its answer.
 
     A call that cannot even be sent raises at once; one the shard fails, or that is lost
-    with it, fails its Future. Payloads are `pack`ed as the shard's methods say.
+    with it, fails its Future. Payloads are encoded as `distkv.directory.wire` says.
     """
 
     def register(self, info: ReplicaInfo, seq: int, stored: bytes, namespace: str) -> Future:
@@ -32,11 +32,11 @@ class ShardClient(Protocol):
         """Future of whether the replica was registered."""
 
     def changes(self, cursor: Cursor | None, timeout_s: float, namespace: str, follower: str | None) -> Future:
-        """Future of the packed `Changes` after `cursor`, once there is news for `follower` or after `timeout_s`."""
+        """Future of the encoded `Changes` after `cursor` (`wire.encode_feed`), once there is news for `follower` or after `timeout_s`."""
 
     def query(self, keys: Sequence[OffloadKey], namespace: str) -> Future:
         """Future of the (holders of each key, ReplicaInfo of each replica they name), as
-        `distkv.directory.answer.encode_answer` makes it: MAX_BATCH_KEYS keys at most."""
+        `wire.encode_answer` makes it: MAX_BATCH_KEYS keys at most."""
 
     def cancel(self, future: Future) -> None:
         """Best effort: stop the call `future` answers (a long poll no one waits for any more)."""
