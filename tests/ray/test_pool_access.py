@@ -16,6 +16,7 @@ import ray
 pytest.importorskip("nixl")
 
 from distkv.directory import ReplicaInfo, unpack  # noqa: E402
+from distkv.directory_answer import decode_answer  # noqa: E402
 from distkv.endpoint_seal import EndpointSeal, new_secret  # noqa: E402
 from distkv.harness import Replica, block_keys  # noqa: E402
 from distkv.spec import ClusterOffloadingSpec  # noqa: E402
@@ -55,7 +56,7 @@ def infos_any_caller_gets(namespace: str, keys: list[bytes], replica_id: str) ->
     # how soon the blocks reach the Directory is not under test: the bound only keeps a
     # broken link from hanging the suite
     deadline = time.monotonic() + 60
-    while not all((answer := unpack(ray.get(shard.query.remote(keys, namespace), timeout=60)))[0]):
+    while not all((answer := decode_answer(ray.get(shard.query.remote(keys, namespace), timeout=60), len(keys)))[0]):
         assert time.monotonic() < deadline, "the replica's blocks never reached the Directory"
         time.sleep(0.01)
     holders, named = answer

@@ -24,7 +24,7 @@ from replica_engine import DISTKV_EXTRA, GPU_BLOCK_TOKENS, EngineReplica, kv_cac
 
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.config import build_offloading_config  # noqa: E402
 
-from distkv.directory import unpack  # noqa: E402
+from distkv.directory_answer import decode_answer  # noqa: E402
 from distkv import vllm as distkv_vllm  # noqa: E402
 from ray_actors.directory import get_or_create_shards, kill_shards  # noqa: E402
 
@@ -97,7 +97,7 @@ class Replicas:
             # how soon A's stores reach the Directory is not under test: the bound only
             # keeps a broken link from hanging the suite
             deadline = time.monotonic() + 60
-            while not all(unpack(ray.get(shard.query.remote(stored, namespace), timeout=60))[0]):
+            while not all(decode_answer(ray.get(shard.query.remote(stored, namespace), timeout=60), len(stored))[0]):
                 assert time.monotonic() < deadline, "A's blocks never reached the Directory"
                 time.sleep(0.01)
             self._holders[base] = a
