@@ -145,4 +145,9 @@ class ModelReplica:
 
     def _compute(self, p: Prefill, kv: Sequence[torch.Tensor]) -> int:
         self._prefill = p
-        return prefill(self.model, self.cache, p.tokens, p.gpu_blocks, p.hit_blocks)
+        started = time.perf_counter()
+        token = prefill(self.model, self.cache, p.tokens, p.gpu_blocks, p.hit_blocks)
+        if self._shared:  # what recomputing costs this replica: the pull gate's side of the scale
+            computed = (len(p.tokens) - p.hit_blocks * self.block_tokens) / self.block_tokens
+            self.manager.gate.observe_prefill(computed, time.perf_counter() - started)
+        return token
