@@ -82,7 +82,6 @@ class DistkvRequestRouter(RequestRouter):
             return []
         started = time.perf_counter()
         identities = [self.core.identity(r.routing_stats) for r in candidate_replicas]
-        queue_lens = await self._queue_lens(candidate_replicas)
         if pending_request is None:
             answer, blocks = RoutedAnswer("", False), 0
         else:
@@ -92,6 +91,8 @@ class DistkvRequestRouter(RequestRouter):
                 pending_request.metadata.internal_request_id, tokens, salt, identities
             )
             started += time.perf_counter() - asked
+        # after the query: what finished meanwhile has left Serve's queue lengths
+        queue_lens = await self._queue_lens(candidate_replicas)
         candidates = [
             Candidate(r.replica_id, i and i.replica_id, i and i.node_id, queue_lens[r.replica_id], i.costs if i else PRIOR)
             for r, i in zip(candidate_replicas, identities)
@@ -144,4 +145,6 @@ class DistkvRequestRouter(RequestRouter):
 
             clients = self._shards[(namespace, num_shards)] = await asyncio.to_thread(find_shards, namespace, num_shards)
         future = clients[shard].query(keys, namespace)
-        return decode_shard_answer(await asyncio.wrap_future(future))
+        # shielded: past the deadline the query is abandoned, not cancelled under the
+        # channel's reader, which answers it when it comes
+        return decode_shard_answer(await asyncio.shield(asyncio.wrap_future(future)))
