@@ -78,6 +78,22 @@ class ArmTally:
         self.by_replica: Counter[str] = Counter()
         self.replica_stats: dict[str, Mapping[str, Any]] = {}  # each replica's latest
         self._warm_stats: dict[str, Mapping[str, Any]] = {}  # each replica's after its warm-up
+        self.router: dict[str, Any] = {}  # what distkv's router measured (`router_figures`)
+
+    def router_figures(self, router: Any) -> None:
+        """What the arm's request router measured, if it is distkv's: its Directory queries'
+        times, its decisions' own time (the query left out), decisions and fallbacks."""
+        core = getattr(router, "core", None)
+        if core is None:
+            return
+        self.router = {
+            "query_s": _percentiles(list(core.query_s)),
+            "decision_s": _percentiles(list(router.decision_s)),
+            "queries": len(core.query_s),
+            "decisions": dict(core.decisions),
+            "fallbacks": dict(core.fallbacks),
+            "service_s": core.score.service_s,
+        }
 
     def warmed(self, result: Mapping[str, Any]) -> None:
         """A warm-up request's result: not counted; its replica's stats are the baseline
@@ -147,6 +163,7 @@ class ArmTally:
             },
             "routed": stats.get("routed", {}),
             "gate_estimates": {r: s["gate"] for r, s in sorted(self.replica_stats.items()) if "gate" in s},
+            "router": self.router,
             "load_failures": self.load_failures,
             "lookup_retries": sum(r[2] for r in self.requests),
         }

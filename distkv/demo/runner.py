@@ -140,7 +140,7 @@ def run(args: argparse.Namespace) -> int:
                 tally.add(result, client_ttft_s)
                 verifier.add(arm.name, i, result)
 
-            demo.run_arm(arm, trace, add, tally.warmed, lambda tally=tally: _status(tally))
+            demo.run_arm(arm, trace, add, tally.warmed, tally.router_figures, lambda tally=tally: _status(tally))
             seconds[arm.name] = time.perf_counter() - t
     except KeyboardInterrupt:
         print("\ndistkv demo: interrupted, cleaning up", file=sys.stderr)
@@ -192,6 +192,15 @@ def _dashboard_port(usual: int = 8265) -> int:
                 continue
             return s.getsockname()[1]
     raise RuntimeError("no free port for the Ray dashboard")
+
+
+def _request_router(handle: Any) -> Any:
+    """The request router Serve made behind `handle`, in this process (Serve's internals:
+    None where they differ)."""
+    try:
+        return handle._router._asyncio_router.request_router
+    except AttributeError:
+        return None
 
 
 def _status(tally: ArmTally) -> str:
@@ -262,10 +271,12 @@ class Demo:
         serve.start(proxy_location="Disabled", logging_config=SERVE_LOGGING)
 
     def run_arm(
-        self, arm: Arm, trace: list[Request], on_result: Callable, warmed: Callable, status: Callable[[], str]
+        self, arm: Arm, trace: list[Request], on_result: Callable, warmed: Callable, report_router: Callable,
+        status: Callable[[], str],
     ) -> None:
         """Move the deployment to `arm` (deploying it first), warm it up (`warmed` gets
-        those results), send it the trace (`on_result` gets each request's result)."""
+        those results), send it the trace (`on_result` gets each request's result), and hand
+        `report_router` the handle's request router."""
         from ray import serve
         from ray.serve.config import RequestRouterConfig
         from ray.serve.handle import DeploymentHandle
@@ -310,6 +321,7 @@ class Demo:
         progress = Progress(arm.label, len(trace), self.log, status)
         asyncio.run(self._send(handle, trace, on_result, progress))
         progress.finish()
+        report_router(_request_router(handle))
         handle.shutdown()  # its router stops following the deployment
         if arm.name == "affinity":  # Ray's prefix-affinity router keeps its prefix tree in a detached actor
             try:

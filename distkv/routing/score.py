@@ -86,16 +86,25 @@ class Candidate:
 
 class HeldPrefix:
     """Who holds how much of a prompt's prefix, from the Directory's answer: each replica's
-    run of leading blocks, and for each block whether a replica other than a given one holds it."""
+    run of leading blocks, and for each block who holds it."""
 
     def __init__(self, answer: RoutedAnswer | None, blocks: int) -> None:
         self.blocks = blocks
-        self.keys = answer.keys if answer is not None and answer.answered else ()
-        self.holders = answer.holders if answer is not None else {}
+        keys = answer.keys if answer is not None and answer.answered else ()
+        holders = answer.holders if answer is not None else {}
         self.runs: dict[str, int] = {}
         self.nodes: dict[str, str] = {}
-        for i, key in enumerate(self.keys):
-            for h in self.holders.get(key, ()):
+        # per block in prefix order, up to the last one held: the ids of its holders
+        self.held: list[frozenset[str]] = []
+        for i, key in enumerate(keys):
+            key_holders = holders.get(key)
+            if not key_holders:
+                if not any(holders.get(k) for k in keys[i + 1 :]):
+                    break
+                self.held.append(frozenset())
+                continue
+            self.held.append(frozenset(h.replica_id for h in key_holders))
+            for h in key_holders:
                 self.nodes[h.replica_id] = h.node_id
                 if self.runs.get(h.replica_id, 0) == i:
                     self.runs[h.replica_id] = i + 1
@@ -105,8 +114,8 @@ class HeldPrefix:
         to pull them on)."""
         own = self.runs.get(c.replica_id, 0) if c.replica_id is not None else 0
         pull = 0
-        for key in self.keys[own:]:
-            if not any(h.replica_id != c.replica_id for h in self.holders.get(key, ())):
+        for ids in self.held[own:]:
+            if not ids or ids == {c.replica_id}:
                 break
             pull += 1
         near = any(
