@@ -43,17 +43,24 @@ class RoutedAnswer:
     `answered`: False when the router had no answer (past its deadline, the Directory
     down, no token ids): the replica looks its blocks up as if unrouted. `keys`: the keys
     asked, in prefix order, all of one KV-cache group; `holders`: those someone held, with
-    their holders. Keys of other groups are not covered: they are looked up as usual.
+    their holders. Keys not asked (of other groups, or that the engine computed otherwise)
+    are not covered: they are looked up as usual.
     """
 
     namespace: str
     answered: bool
     keys: tuple[OffloadKey, ...] = ()
     holders: Mapping[OffloadKey, tuple[Holder, ...]] = field(default_factory=dict)
+    asked: frozenset[OffloadKey] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "asked", frozenset(self.keys))
 
     def covers(self, key: OffloadKey) -> bool:
-        """Whether the answer says who held `key` (possibly nobody)."""
-        return self.answered and bool(self.keys) and key[-4:] == self.keys[0][-4:]
+        """Whether the answer says who held `key` (possibly nobody): only the keys the
+        router asked about. A key the engine computed otherwise (a LoRA adapter, images:
+        extra keys the router does not know) is looked up as if the request were unrouted."""
+        return key in self.asked
 
     def holders_for(self, key: OffloadKey, known: Callable[[str], object]) -> tuple[Holder, ...] | None:
         """The holders to promote `key` from: () when the answer says nobody held it; None

@@ -108,3 +108,14 @@ def test_an_unreadable_answer_is_ignored_and_counted(queried):
     result = b.serve(prompt(6), max_retries=1, kv_transfer_params={PARAMS_KEY: {"v": 1, "namespace": 7}})
     assert result.retries == 2 and b.manager.link.asked  # looked up as if unrouted
     assert b.manager.stats().errors == {"routed_answer": 1}
+
+
+def test_keys_the_router_did_not_ask_about_are_looked_up_as_usual(queried):
+    """A prompt the engine keys otherwise than the router (a LoRA adapter, images): the
+    answer covers none of its keys, and the replica asks the Directory as if unrouted."""
+    directory = FakeDirectory()
+    b = queried(directory, "node-2")
+    tokens = prompt(7)
+    sent = answer_for(directory, prompt(8), b.manager.link.namespace)  # keys of another prompt
+    result = b.serve(tokens, max_retries=1, kv_transfer_params=sent)
+    assert result.retries == 2 and b.manager.link.asked
