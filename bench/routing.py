@@ -1,6 +1,6 @@
 """distkv's router on the demo's trace: each arm against the others, the median of several runs.
 
-    python bench/routing.py [--runs 3] [--traces default,skew,small_pool] [--json PATH] [-- DEMO ARGS]
+    python bench/routing.py [--runs 3] [--traces default,skew,small_pool] [--json PATH] [DEMO ARGS]
 
 Each run is one `python -m distkv demo --json` of all four arms on the same trace, so every
 ratio compares arms measured in the same run (distkv with its router over distkv with
@@ -187,8 +187,7 @@ def main() -> int:
     parser.add_argument("--traces", default=",".join(TRACES))
     parser.add_argument("--overhead", action="store_true", help="time the routers' own decisions instead")
     parser.add_argument("--json", help="also write the figures here")
-    parser.add_argument("demo_args", nargs="*", help="after --: passed to every demo run")
-    args = parser.parse_args()
+    args, demo_args = parser.parse_known_args()  # the rest goes to every demo run
     if args.overhead:
         figures = overhead(decisions=2000, replicas=4)
         print(f"per decision: Serve's default router {figures['serve_default_s'] * 1e6:.0f} us, "
@@ -198,7 +197,7 @@ def main() -> int:
         for run in range(args.runs):
             for trace in args.traces.split(","):
                 started = time.perf_counter()
-                docs.setdefault(trace, []).append(run_demo(trace, args.demo_args))
+                docs.setdefault(trace, []).append(run_demo(trace, demo_args))
                 print(f"run {run + 1}/{args.runs} {trace}: {time.perf_counter() - started:.0f} s", file=sys.stderr, flush=True)
         figures = {**summarize(docs), "documents": docs}
         print_table(figures)
