@@ -79,7 +79,7 @@ class RoutedAnswer:
         if not self.answered:
             return LOAD_ONLY
         first = self.holders.get(self.keys[0], ()) if self.keys else ()
-        if any(h.replica_id == replica_id for h in first):
+        if any(h[0] == replica_id for h in first):
             return HOLDER
         return PULLER if first else COLD
 
@@ -87,7 +87,7 @@ class RoutedAnswer:
         """The answer less `replica_id`'s own holdings: what it can promote from others."""
         holders = {}
         for key, key_holders in self.holders.items():
-            others = tuple(h for h in key_holders if h.replica_id != replica_id)
+            others = tuple(h for h in key_holders if h[0] != replica_id)
             if others:
                 holders[key] = others
         return RoutedAnswer(self.namespace, self.answered, self.keys, holders)
@@ -98,12 +98,10 @@ def load_only(namespace: str) -> RoutedAnswer:
 
 
 def from_directory(namespace: str, keys: Sequence[OffloadKey], holders: Sequence[Sequence[Sequence]]) -> RoutedAnswer:
-    """The answer from a shard's holders of each of `keys` (`decode_shard_answer`)."""
-    held = {
-        key: tuple(Holder(*h) for h in key_holders)
-        for key, key_holders in zip(keys, holders)
-        if key_holders
-    }
+    """The answer from a shard's holders of each of `keys` (`decode_shard_answer`), as the
+    shard gives them: (replica_id, node_id, row, generation) tuples, which `encode` and the
+    router read by position (a replica reads them back as `Holder`s: `decode`)."""
+    held = {key: tuple(key_holders) for key, key_holders in zip(keys, holders) if key_holders}
     return RoutedAnswer(namespace, True, tuple(keys), held)
 
 
@@ -122,9 +120,9 @@ def encode(answer: RoutedAnswer) -> dict[str, Any]:
     holders = []
     for key in answer.keys:
         row = []
-        for h in answer.holders.get(key, ()):
-            index = replicas.setdefault((h.replica_id, h.node_id), len(replicas))
-            row.append([index, h.row, h.generation])
+        for replica_id, node_id, block_row, generation in answer.holders.get(key, ()):
+            index = replicas.setdefault((replica_id, node_id), len(replicas))
+            row.append([index, block_row, generation])
         holders.append(row)
     return {
         "v": FORMAT,

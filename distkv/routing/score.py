@@ -94,28 +94,26 @@ class HeldPrefix:
         holders = answer.holders if answer is not None else {}
         self.runs: dict[str, int] = {}
         self.nodes: dict[str, str] = {}
-        # per block in prefix order, up to the last one held: the ids of its holders
-        self.held: list[frozenset[str]] = []
-        for i, key in enumerate(keys):
-            key_holders = holders.get(key)
-            if not key_holders:
-                if not any(holders.get(k) for k in keys[i + 1 :]):
-                    break
-                self.held.append(frozenset())
-                continue
-            self.held.append(frozenset(h.replica_id for h in key_holders))
+        # per block in prefix order, up to the last one held: its holders, as the shard gives
+        # them ((replica_id, node_id, row, generation) tuples)
+        self.held: list[tuple] = []
+        last = max((i for i, key in enumerate(keys) if key in holders), default=-1)
+        runs, nodes = self.runs, self.nodes
+        for i in range(last + 1):
+            key_holders = holders.get(keys[i], ())
+            self.held.append(key_holders)
             for h in key_holders:
-                self.nodes[h.replica_id] = h.node_id
-                if self.runs.get(h.replica_id, 0) == i:
-                    self.runs[h.replica_id] = i + 1
+                nodes[h[0]] = h[1]
+                if runs.get(h[0], 0) == i:
+                    runs[h[0]] = i + 1
 
     def split(self, c: Candidate) -> tuple[int, int, str]:
         """(blocks in c's own pool, blocks after those held by other replicas, the path
         to pull them on)."""
         own = self.runs.get(c.replica_id, 0) if c.replica_id is not None else 0
         pull = 0
-        for ids in self.held[own:]:
-            if not ids or ids == {c.replica_id}:
+        for key_holders in self.held[own:]:
+            if not any(h[0] != c.replica_id for h in key_holders):
                 break
             pull += 1
         near = any(
