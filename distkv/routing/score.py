@@ -62,14 +62,15 @@ class Costs:
             return self
 
 
-# Measured on the demo's trace (4 replicas of its model on 2 simulated nodes, a fresh clone:
-# the object store across nodes); see docs/routing.md, "The constants".
+# Measured on the demo's trace, as the medians of what the replicas' pull gates and the router
+# measured over 9 runs of bench/routing.py (4 replicas of the demo's model on 2 simulated nodes
+# of a 2-core machine, which other jobs shared): docs/routing.md, "The constants".
 PRIOR = Costs(
-    prefill_s_per_block=0.0030,
-    pull_s={"same_node": (0.0030, 0.00010), "cross_node": (0.0080, 0.00050)},
-    step_s=0.0025,
+    prefill_s_per_block=0.011,
+    pull_s={"same_node": (0.0087, 0.0010), "cross_node": (0.0053, 0.0045)},
+    step_s=0.0071,
 )
-PRIOR_SERVICE_S = 0.040
+PRIOR_SERVICE_S = 0.27
 
 
 @dataclass(frozen=True)
