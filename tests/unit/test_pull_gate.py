@@ -8,7 +8,7 @@ another node, whose gate has measured a fast prefill and a slow cross-node pull.
 import pytest
 
 from distkv.pull_gate import EXPLORE_EVERY, LinearCost, PullGate
-from test_cluster import make_replica, prompt, replicas  # noqa: F401 (a fixture)
+from test_cluster import prompt, replicas  # noqa: F401 (a fixture)
 
 MS = 1e-3
 
