@@ -26,6 +26,8 @@ from distkv.manager import MAX_KEY_BYTES, MIN_KEY_BYTES, LocalOffloadingManager,
 from distkv.errors import ErrorLog, merge_errors
 from distkv.names import epoch_replica_id
 from distkv.promotion import Promoter, Promotion
+from distkv.pull_gate import PullGate, RequestPull, prefix_run
+from distkv.routing.answer import PARAMS_KEY, ROUTED_KINDS, RoutedAnswer, decode
 from distkv.stats import (
     BlockCounts,
     LookupCounts,
@@ -33,6 +35,7 @@ from distkv.stats import (
     PoolUsage,
     PromotionCounts,
     ReplicaStats,
+    RoutingCounts,
     TransportCounts,
 )
 
@@ -103,6 +106,9 @@ class ClusterOffloadingManager(OffloadingManager):
     Each block it stores or promotes is placed on a Directory shard by its request's
     prefix (`block_shard`), noted on the block, and its removal goes to the same shard.
     `request_root` finds a request's placement root; the vLLM adapter sets its own.
+    `gate` (PullGate) decides once per request whether pulling beats recomputing (else MISS);
+    a request sent with its router's Directory answer (`request_started`) promotes from the
+    holders it names and misses at once what nobody held, without asking again.
     """
 
     def __init__(
@@ -113,6 +119,7 @@ class ClusterOffloadingManager(OffloadingManager):
         store_policy: str = "always",
         promotion_timeout_s: float = 5.0,
         mode: str = "spec",
+        gate: PullGate | None = None,
     ):
         """`mode`: how the engine uses this replica (ReplicaStats.mode), shown by `distkv status`."""
         if store_policy not in STORE_POLICIES:
@@ -125,6 +132,9 @@ class ClusterOffloadingManager(OffloadingManager):
         self._blocks = local.blocks
         self._num_shards = link.num_shards
         self.request_root = seed_request_root
+        self.request_positions = ReqContext.offload_key_positions  # the seed's; the vLLM adapter sets its own
+        self.gate = gate or PullGate()  # unfed (no prefill measured), it lets every pull go
+        self.routed = dict.fromkeys(ROUTED_KINDS, 0)  # routed requests, by what they found here
         self._view = link.view
         self.link = link
         self.promoter = promoter
@@ -202,14 +212,17 @@ class ClusterOffloadingManager(OffloadingManager):
         if key not in self._view:  # `in` costs no call, and this is the common miss
             if type(key) is not bytes or not MIN_KEY_BYTES <= len(key) <= MAX_KEY_BYTES:
                 raise ValueError(key_problem(key))
-            link = self.link
-            if link.queried and link.ask(key, self.block_shard(key, req_context) if self._num_shards > 1 else 0):
-                self.lookups_retry += 1.0
-                self._defer(req_context)
-                return RETRY
-            self.lookups_miss += 1.0
-            return MISS
-        holders = self._view.get(key)  # None if it left the view since
+            answer = req_context.get_state(RoutedAnswer)  # the router's, if it sent one
+            if (holders := answer and answer.holders_for(key, self.link.replica)) is None:
+                link = self.link
+                if link.queried and link.ask(key, self.block_shard(key, req_context) if self._num_shards > 1 else 0):
+                    self.lookups_retry += 1.0
+                    self._defer(req_context)
+                    return RETRY
+                self.lookups_miss += 1.0
+                return MISS
+        else:
+            holders = self._view.get(key)  # None if it left the view since
         result = self._promote(key, holders, req_context) if holders else MISS
         if result is MISS:
             self.lookups_miss += 1.0
@@ -310,6 +323,7 @@ class ClusterOffloadingManager(OffloadingManager):
         # retired until the Promoter reports them. No waiting on the scheduler's thread.
         self._abandoned.update(self._promoting)
         self._promoting.clear()
+        self.gate.forget_pulls()
         self._next_overdue = math.inf
         self.local.reset_cache()
         self._failed.clear()
@@ -332,6 +346,19 @@ class ClusterOffloadingManager(OffloadingManager):
         """The scheduler's step ended (its last call): the Directory is asked about the
         step's misses now, one call per shard, instead of after a delay."""
         self.link.end_step()
+        self.gate.step_ended(time.monotonic())
+
+    def request_started(self, req_context: ReqContext) -> None:
+        """A request arrived: keep the Directory's answer its router sent with it, if any
+        (`kv_transfer_params["distkv"]`), in its state for its lookups."""
+        params, own = getattr(req_context, "kv_transfer_params", None), self.link.info.replica_id
+        answer = decode(params[PARAMS_KEY], self.link.namespace) if params and PARAMS_KEY in params else False
+        if answer is None:
+            self.errors.add("routed_answer", "a request carried a Directory answer distkv cannot read")
+        elif answer:
+            self.routed[answer.kind(own)] += 1
+            req_context.set_state(answer.without(own))
+
 
     def request_finished(self, req_context: ReqContext) -> None:
         """The request ended: the blocks it found are no longer protected for it."""
@@ -394,6 +421,7 @@ class ClusterOffloadingManager(OffloadingManager):
                 used_bytes=(local.num_rows - local.num_free_rows) * row_bytes,
                 capacity_bytes=local.num_rows * row_bytes,
             ),
+            routing=RoutingCounts(dict(self.routed), dict(self.gate.allowed), dict(self.gate.skipped)),
             errors=errors,
             recent_errors=tuple(recent),
             mode=self.mode,
@@ -511,6 +539,7 @@ class ClusterOffloadingManager(OffloadingManager):
             del self._promoting[key]
             self._failed[key] = now + self.promotion_timeout_s
         self._abandoned.update(overdue)
+        self.gate.forget_pulls(overdue)
         self.local.retire(overdue)
         self.lookups_miss += len(overdue)
 
@@ -523,6 +552,8 @@ class ClusterOffloadingManager(OffloadingManager):
             if failed_until > now:
                 return MISS
             del self._failed[key]
+        if not self._pull_pays(key, holders, req_context):
+            return MISS  # recomputing it is expected to be faster
         out = self.local.prepare_store([key], self._promotion_ctx, protect_from=self._protect_from)
         self._forward_events()
         if out is None or not out.keys_to_store:
@@ -537,12 +568,29 @@ class ClusterOffloadingManager(OffloadingManager):
         self.promoter.submit(
             Promotion(key, int(spec.block_ids[0]), int(spec.generations[0]), holders, deadline, cache_epoch=self.cache_epoch)
         )
+        self.gate.submitted(key, req_context.get_state(RequestPull), now)
         return RETRY
+
+    def _pull_pays(self, key: OffloadKey, holders, req_context: ReqContext) -> bool:
+        """The gate's decision on the request's run of pullable blocks from `key` on, made once."""
+        pull = req_context.get_state(RequestPull)
+        if pull is None:
+            node = self.link.info.node_id
+            answer, blocks, view = req_context.get_state(RoutedAnswer), self._blocks, self._view
+            run = prefix_run(
+                key,
+                self.request_positions(req_context),
+                lambda k: k not in blocks and (k in view or (answer is not None and k in answer.holders)),
+            )
+            pull = self.gate.decide("same_node" if any(h.node_id == node for h in holders) else "cross_node", run)
+            req_context.set_state(pull)
+        return pull.allowed
 
     def _apply_promotions(self) -> None:
         retry_at = time.monotonic() + self.promotion_timeout_s
         succeeded, failed, ended = [], [], []
         for key, ok, same_node in self.promoter.finished():
+            self.gate.ended(key, ok, time.monotonic())
             if self._promoting.pop(key, None) is None:
                 self._abandoned.discard(key)
                 ended.append(key)

@@ -8,7 +8,7 @@ import sys
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 # the places that create the actors and hand them to the library's classes
-WIRING = {"distkv/spec.py", "distkv/status.py", "distkv/demo/runner.py"}
+WIRING = {"distkv/spec.py", "distkv/status.py", "distkv/demo/runner.py", "distkv/serve_router.py"}
 
 
 def imported_modules(path: pathlib.Path) -> set[str]:
