@@ -223,6 +223,7 @@ class DistkvTier(SecondaryTierManager):
         self._tier.cluster.touch(list(keys), req_context)
 
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
+        self._tier.request_started(req_context)  # the Directory's answer its router sent, if any
         return RequestOffloadingContext()
 
     def on_request_finished(self, req_context: ReqContext) -> None:
