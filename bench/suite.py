@@ -25,7 +25,9 @@ docs/scale.md builds the scale model from the scale rows.
             beside vLLM's fs tier's (goal ns ratio <= 1.5), and promotion into vLLM's CPU
             tier from another node beside the spec's promotion, by each transport (goal
             >= 0.85).
-  demo      python -m distkv demo --json: time to first token with and without distkv.
+  demo      python bench/routing.py --runs 1: the demo's four arms on its default trace, with
+            --skew and with a small pool; distkv with its router against distkv with Serve's
+            default router and against each replica's own pool with Ray's prefix-affinity router.
   scale     python bench/scale.py: one Directory shard at 1M and 10M keys (1M with
             --quick), replicas following pushed views 2 -> 8 (2 -> 4) on simulated nodes,
             and 64 lightweight replicas against 1 and 4 shards (16 against 1).
@@ -119,14 +121,14 @@ class Sizes:
 
 FULL = Sizes(
     trace_requests=5000, trace_rows=8192, trace_runs=5, view_keys=65536, lookup_batches=201,
-    transfer_args=[], promote_args=[], tier_args=[], demo_args=["--requests", "120"],
+    transfer_args=[], promote_args=[], tier_args=[], demo_args=[],
     scale_args=["--keys", "1000000,10000000", "--view-replicas", "2,4,8", "--view-seconds", "5", "--replicas", "64", "--shards", "1,4", "--seconds", "10"],
 )
 QUICK = Sizes(
     trace_requests=1000, trace_rows=2048, trace_runs=3, view_keys=8192, lookup_batches=51,
     transfer_args=["--gib", "0.25", "--reps", "3"], promote_args=["--runs", "3", "--warmup", "1"],
     tier_args=["--runs", "5", "--warmup", "1"],
-    demo_args=["--requests", "40", "--replicas", "2"],
+    demo_args=["--requests", "60"],
     scale_args=["--keys", "1000000", "--view-replicas", "2,4", "--view-seconds", "2", "--replicas", "16", "--shards", "1", "--seconds", "5"],
 )
 
@@ -322,29 +324,30 @@ def tier_part(sizes: Sizes, figures: dict[str, Any]) -> list[Row]:
 
 
 def demo_part(sizes: Sizes, figures: dict[str, Any]) -> list[Row]:
-    proc = subprocess.run(
-        [sys.executable, "-m", "distkv", "demo", "--json", *sizes.demo_args],
-        cwd=ROOT, capture_output=True, text=True, timeout=900, check=False,
-    )
-    if proc.returncode != 0:
-        raise RuntimeError(f"distkv demo exited {proc.returncode}: {tail(proc.stderr)}")
-    summary = json.loads(proc.stdout)
-    figures["demo"] = {
-        k: summary[k]
-        for k in ("replicas", "nodes", "requests", "hit_rate", "own_pool_only_hit_rate", "oracle_hit_rate", "ttft_s",
-                  "tail", "transfers_by_transport", "mismatches", "seconds")
-    }
-    note = f"{summary['requests']} requests, {summary['replicas']} replicas, hit rate {summary['hit_rate']:.0%}, mismatches {summary['mismatches']}"
-    ttft = summary["ttft_s"]
-    return [
-        Row("demo", f"time to first token {p}", "ms", ttft["distkv"][p] * 1e3, "offloading off, same trace",
-            ttft["offloading_off"][p] * 1e3, ("<=", 0.8) if p == "p99" else None, note=note if p == "p50" else "")
-        for p in ("p50", "p99")
-    ] + [
-        Row("demo", f"time to first token {p}", "ms", ttft["distkv"][p] * 1e3, "each replica's own pool only, same trace",
-            ttft["own_pool_only"][p] * 1e3, note=f"own-pool hit rate {summary['own_pool_only_hit_rate']:.0%}" if p == "p50" else "")
-        for p in ("p50", "p99")
-    ]
+    """One run of the demo's arms on each trace of bench/routing.py; each row an arm's TTFT
+    (or cross-node bytes) over another arm's in the same run."""
+    result = run_script(["bench/routing.py", "--runs", "1", *sizes.demo_args], timeout_s=3600)
+    figures["demo"] = {k: v for k, v in result.items() if k != "documents"}
+    rows = []
+    for r in result["ratios"]:
+        (doc,) = result["documents"][r["trace"]]
+        arm, base = doc["arms"][r["arm"]], doc["arms"][r["baseline"]]
+        if r["figure"] == "cross_node_bytes":
+            unit, value, baseline = "MiB", *(a["transfers"]["cross_node_promotion"]["bytes"] / MiB for a in (arm, base))
+        else:
+            unit, value, baseline = "ms", *(a["ttft_s"][r["figure"]] * 1e3 for a in (arm, base))
+        rows.append(Row(
+            "demo", f"{r['trace']}: {r['figure']} of distkv + its router", unit, value,
+            f"{r['baseline']}, same run", baseline, ("<=", r["goal"]),
+            note=f"hit {arm['hit_rate']:.1%} (oracle {arm['oracle_hit_rate']:.1%}), requests per replica max/mean "
+            f"{arm['requests_per_replica']['max_over_mean']:.2f} vs {base['requests_per_replica']['max_over_mean']:.2f}, "
+            f"mismatches {doc['mismatches']}",
+        ))
+    (doc,) = result["documents"]["default"]
+    for p in ("p50", "p99"):
+        rows.append(Row("demo", f"default: {p} of distkv", "ms", doc["arms"]["distkv"]["ttft_s"][p] * 1e3,
+                        "offloading off, same run", doc["arms"]["off"]["ttft_s"][p] * 1e3))
+    return rows
 
 
 def scale_part(sizes: Sizes, figures: dict[str, Any]) -> list[Row]:

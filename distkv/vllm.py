@@ -18,6 +18,7 @@ import hashlib
 import logging
 import sys
 import threading
+import time
 from collections.abc import Collection, Iterable, Mapping
 from typing import Any
 
@@ -312,6 +313,10 @@ class DistkvOffloadingManager(OffloadingManager):
         # callbacks may come from other threads than the scheduler's
         self._lock = threading.RLock()
         self._stats = ReplicaConnectorStats(cluster)
+        # the pull gate's prefill cost: blocks offered for storing (computed) between two
+        # step ends, against the time between them (decodes included: a bound from above)
+        self._offered = 0
+        self._step_ended_at: float | None = None
 
     @property
     def lock(self) -> threading.RLock:
@@ -335,6 +340,7 @@ class DistkvOffloadingManager(OffloadingManager):
 
     def prepare_store(self, keys: Collection[OffloadKey], req_context: ReqContext) -> PrepareStoreOutput | None:
         keys = list(keys)
+        self._offered += len(keys)
         out = self.cluster.prepare_store(keys, req_context)
         if out is None:
             return None
@@ -351,6 +357,7 @@ class DistkvOffloadingManager(OffloadingManager):
     # ---- request and step hooks ----------------------------------------------------
 
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
+        self.cluster.request_started(req_context)  # the Directory's answer its router sent, if any
         return RequestOffloadingContext()
 
     def on_request_finished(self, req_context: ReqContext) -> None:
@@ -365,6 +372,10 @@ class DistkvOffloadingManager(OffloadingManager):
         # finished promotions and keeps the event backlog bounded even when vLLM never
         # drains events (kv events off).
         self.cluster.end_step()
+        now = time.monotonic()
+        if self._step_ended_at is not None and self._offered:
+            self.cluster.gate.observe_prefill(self._offered, now - self._step_ended_at)
+        self._offered, self._step_ended_at = 0, now
         self._collect_events()
 
     def has_pending_work(self) -> bool:
@@ -466,6 +477,32 @@ class DistkvOffloadingWorker(OffloadingWorker):
         self._pool.close()
 
 
+def publish_identity(cluster: ClusterOffloadingManager, config: OffloadingConfig) -> None:
+    """Have the replica's Directory link publish its routing stats under its engine id with
+    its heartbeats, for the Serve replica around it (`distkv.serve_llm`): its keys are vLLM's
+    chunk keys of the group its prefixes are placed by (`first_chunk`)."""
+    from ray.experimental import internal_kv
+
+    from distkv.routing.identity import KV_NAMESPACE, IdentityPublisher
+    from distkv.routing.keys import VllmKeys
+    from distkv.routing.router import routing_stats
+
+    end, group = first_chunk(config)
+    keys = VllmKeys("sha256", config.cache.tokens_per_hash, end // config.cache.tokens_per_hash, group)
+    publisher = IdentityPublisher(
+        config.engine_id,
+        lambda: routing_stats(cluster, keys),
+        lambda key, value: internal_kv._internal_kv_put(key, value, overwrite=True, namespace=KV_NAMESPACE),
+    )
+    report = cluster.link.report
+
+    def report_and_publish() -> dict:
+        publisher.step()
+        return report()
+
+    cluster.link.report = report_and_publish
+
+
 class RayOffloadingSpec(OffloadingSpec):
     """A vLLM replica of a Ray cluster sharing one KV cache with every replica of its namespace.
 
@@ -494,7 +531,11 @@ class RayOffloadingSpec(OffloadingSpec):
             try:
                 self._check_workers_attached(pool)
                 cluster = join_cluster(
-                    plan, pool, generations=pool.reserve_generations, request_root=vllm_request_root(first_chunk(self.config))
+                    plan,
+                    pool,
+                    generations=pool.reserve_generations,
+                    request_root=vllm_request_root(first_chunk(self.config)),
+                    request_positions=offload_key_positions,
                 )
                 cluster.expect_step_ends()  # DistkvOffloadingManager.on_schedule_end
             except BaseException:
@@ -505,6 +546,7 @@ class RayOffloadingSpec(OffloadingSpec):
                 plan.replica_id, plan.namespace, plan.layout.num_rows, plan.layout.num_ranks, plan.layout.slot_bytes,
             )
             self._manager = DistkvOffloadingManager(cluster, pool, self.kv_events_config.enable_kv_cache_events)
+            publish_identity(cluster, self.config)
         return self._manager
 
     def get_worker(self, kv_caches: CanonicalKVCaches) -> DistkvOffloadingWorker:

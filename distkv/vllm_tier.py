@@ -67,6 +67,7 @@ from distkv.vllm import (
     connector_vllm_config,
     first_chunk,
     kv_identity,
+    offload_key_positions,
     vllm_request_root,
     vllm_model_settings,
 )
@@ -158,7 +159,13 @@ class DistkvTier(SecondaryTierManager):
         primary = np.frombuffer(primary_kv_view, dtype=np.uint8).reshape(num_chunks, self.block_size_bytes)
         pool = HostPool(plan.pool_name, plan.layout)
         try:
-            cluster = join_cluster(plan, pool, request_root=vllm_request_root(first_chunk(config)), mode="tier")
+            cluster = join_cluster(
+                plan,
+                pool,
+                request_root=vllm_request_root(first_chunk(config)),
+                request_positions=offload_key_positions,
+                mode="tier",
+            )
             try:
                 cluster.expect_step_ends()  # on_schedule_end
                 self._tier = ClusterTier(cluster, pool, primary)
@@ -220,6 +227,7 @@ class DistkvTier(SecondaryTierManager):
         self._tier.cluster.touch(list(keys), req_context)
 
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
+        self._tier.request_started(req_context)  # the Directory's answer its router sent, if any
         return RequestOffloadingContext()
 
     def on_request_finished(self, req_context: ReqContext) -> None:

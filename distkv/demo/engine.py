@@ -23,6 +23,8 @@ from distkv.replica.dedupe import SkipHeldElsewhere
 from distkv.demo.model import ModelConfig, PagedKV, TinyDecoder, prefill
 from distkv.replica.harness import Prefill, Replica, block_keys
 from distkv.replica.specs import ClusterOffloadingSpec
+from distkv.routing.keys import SeedKeys
+from distkv.routing.router import routing_stats
 from distkv.transfer.transport import NixlTransport, ObjectStoreTransport
 
 SOURCES = ("local", "same_node", "cross_node")
@@ -83,11 +85,12 @@ class ModelReplica:
         self.cache = PagedKV(self.replica.kv[0], self.replica.kv[1], model, self.block_tokens)
         self._prefill: Prefill | None = None
 
-    def serve(self, tokens: Sequence[int] | np.ndarray) -> dict[str, Any]:
-        """Serve one prompt through distkv: what came from where, its TTFT and block digests."""
+    def serve(self, tokens: Sequence[int] | np.ndarray, kv_transfer_params: dict | None = None) -> dict[str, Any]:
+        """Serve one prompt through distkv (with what its router sent in `kv_transfer_params`):
+        what came from where, its TTFT and where it went, and block digests."""
         loaded_before = dict(self.manager.blocks_loaded) if self._shared else None
         promoted_before = self._promoted_bytes()
-        result = self.replica.serve(tokens)
+        result = self.replica.serve(tokens, kv_transfer_params=kv_transfer_params)
         p = self._prefill
         hits = result.hit_blocks
         if result.load_failures:  # the manager counted a load whose blocks were then computed
@@ -107,6 +110,8 @@ class ModelReplica:
             "load_failures": result.load_failures,
             "ttft_s": result.first_token_s,
             "load_s": result.load_s,
+            "wait_s": result.wait_s,
+            "compute_s": result.compute_s,
             "promoted_bytes": self._promoted_bytes() - promoted_before,
             "first_token": result.output,
             "loaded": list(zip(p.keys[:hits], digests[:hits])),
@@ -119,12 +124,30 @@ class ModelReplica:
         tokens = np.asarray(tokens)
         keys = block_keys(tokens, self.block_tokens)  # an engine hashes its prompts either way
         token = prefill(self.model, self.cache, tokens, np.arange(len(keys)), 0)
-        return {"ttft_s": time.perf_counter() - arrived, "first_token": token}
+        ttft_s = time.perf_counter() - arrived
+        return {
+            "replica": self.replica.spec.replica_id,
+            "tokens": len(tokens),
+            "blocks_by_source": dict.fromkeys(SOURCES, 0),
+            "retries": 0,
+            "load_failures": 0,
+            "ttft_s": ttft_s,
+            "load_s": 0.0,
+            "wait_s": 0.0,
+            "compute_s": ttft_s,
+            "promoted_bytes": 0,
+            "first_token": token,
+            "loaded": [],
+            "computed": [],
+        }
 
-    def stats(self) -> dict[str, float]:
+    def stats(self) -> dict[str, Any]:
         """Bytes and seconds of this replica's promotions so far, per path, and of its
-        cross-node ones per transport (`<transport>_bytes`, `<transport>_s`)."""
-        promoter = self.manager.promoter
+        cross-node ones per transport (`<transport>_bytes`, `<transport>_s`); blocks its
+        pull gate let pull and skipped, requests routed here by kind, what its gate measured."""
+        if not self._shared:
+            return {}
+        promoter, gate = self.manager.promoter, self.manager.gate
         stats = {
             "same_node_bytes": promoter.bytes_same_node,
             "same_node_s": promoter.seconds_same_node,
@@ -134,7 +157,17 @@ class ModelReplica:
         for transport in BLOCK_TRANSPORTS:
             _, nbytes, seconds = promoter.transported.get(transport, (0, 0, 0.0))
             stats[f"{transport}_bytes"], stats[f"{transport}_s"] = nbytes, seconds
+        stats.update(
+            pull_allowed=dict(gate.allowed), pull_skipped=dict(gate.skipped), routed=dict(self.manager.routed),
+            gate=gate.estimates(),
+        )
         return stats
+
+    def routing_stats(self) -> dict[str, Any]:
+        """Who this replica is in distkv, for a router (`distkv.routing.router.routing_stats`)."""
+        if not self._shared:
+            return {}
+        return routing_stats(self.manager, SeedKeys(self.block_tokens))
 
     def _promoted_bytes(self) -> int:
         if not self._shared:
@@ -146,4 +179,9 @@ class ModelReplica:
 
     def _compute(self, p: Prefill, kv: Sequence[torch.Tensor]) -> int:
         self._prefill = p
-        return prefill(self.model, self.cache, p.tokens, p.gpu_blocks, p.hit_blocks)
+        started = time.perf_counter()
+        token = prefill(self.model, self.cache, p.tokens, p.gpu_blocks, p.hit_blocks)
+        if self._shared:  # what recomputing costs this replica: the pull gate's side of the scale
+            computed = (len(p.tokens) - p.hit_blocks * self.block_tokens) / self.block_tokens
+            self.manager.gate.observe_prefill(computed, time.perf_counter() - started)
+        return token

@@ -1,10 +1,12 @@
-"""`distkv demo`: engine replicas sharing one prefix cache on a Ray cluster, measured.
+"""`distkv demo`: engine replicas sharing one prefix cache on a Ray cluster, as a Serve application, measured.
 
-Starts an embedded local Ray cluster of simulated nodes (or joins one), places model
-replicas on its nodes, sends one trace through a round-robin router three times (through
-distkv; with each replica offloading to its own pool only, as vLLM's native CPU offloading
-does; with offloading off), checks every loaded block, and reports where the prompt tokens
-came from, the time to first token and the bytes moved per path and transport.
+Starts an embedded local Ray cluster of simulated nodes (or joins one), and for each arm
+(`distkv.demo.arms`: offloading off; each replica's own pool with Ray's prefix-affinity router;
+distkv with Serve's default router; distkv with distkv's router) deploys the model's replicas
+as a Ray Serve deployment, sends the same trace through a `DeploymentHandle`, and deletes it.
+It checks every loaded block and reports, per arm, the time to first token as the client saw
+it and where it went, where the prompt tokens came from, the bytes moved per path and
+transport, how requests spread over the replicas, and what the pull gate and the router did.
 
 It wires the cluster together, so it may import `ray_actors` (the library's classes never do).
 """
@@ -12,29 +14,40 @@ It wires the cluster together, so it may import `ray_actors` (the library's clas
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
+import math
 import os
 import signal
 import socket
 import sys
 import time
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import asdict
 from typing import Any, TextIO
 
+import numpy as np
 import ray
-from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from distkv.config import TRANSPORTS, DistkvConfig
+from distkv.demo.arms import ARMS, DEFAULT_ARMS, Arm, parse_arms
 from distkv.demo.engine import demo_spec
 from distkv.demo.model import ModelConfig
-from distkv.demo.report import Tally, format_table
+from distkv.demo.report import ArmTally, Verifier, summarize
+from distkv.demo.request import DemoRequest
+from distkv.demo.table import format_table
 from distkv.demo.workload import Request, WorkloadConfig, generate, oracle_hit_tokens
 from distkv.storage.segments import reclaim_stale_segments
 
 OBJECT_STORE_BYTES = 256 << 20  # per simulated node: promotions in flight are a few MiB
 REQUEST_TIMEOUT_S = 300.0  # no request finishing for that long means a replica is stuck
+SKEW = 1.5  # `--skew` alone: the first of 4 system prompts draws 60% of the requests
+# how often Serve asks a replica for its routing stats (who it is, what its gate measured)
+ROUTING_STATS_PERIOD_S = 1.0
+APP, DEPLOYMENT = "distkv-demo", "engine"
+# Serve's own logs at warnings only, without a line per request (the Ray dashboard has them)
+SERVE_LOGGING = {"log_level": "WARNING", "enable_access_log": False}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -67,6 +80,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     model.add_argument("--model-layers", type=int, default=m.layers, help=f"(default {m.layers})")
     model.add_argument("--model-heads", type=int, default=m.heads, help=f"(default {m.heads})")
     model.add_argument("--vocab-size", type=int, default=m.vocab_size, help=f"(default {m.vocab_size})")
+    work.add_argument(
+        "--skew", type=float, nargs="?", const=SKEW, default=d.skew, metavar="S",
+        help=f"draw system prompts from a Zipf distribution of exponent S (alone: {SKEW}), so that one prefix "
+        "is hot (default: uniform)",
+    )
+    parser.add_argument(
+        "--arms", default=",".join(DEFAULT_ARMS),
+        help=f"the arms to run, in order, separated by commas, of {list(ARMS)} (default: all four)",
+    )
     parser.add_argument("--seed", type=int, default=0, help="seeds the model's weights and the trace (default 0)")
     parser.add_argument("--json", action="store_true", help="print the results as a JSON document")
 
@@ -77,13 +99,14 @@ def run(args: argparse.Namespace) -> int:
         model = ModelConfig(args.vocab_size, args.model_dim, args.model_layers, args.model_heads, args.seed)
         workload = WorkloadConfig(
             args.requests, args.system_prompts, args.system_tokens, args.user_tokens, args.reply_tokens,
-            args.turns, args.conversation_share, args.vocab_size, args.seed,
+            args.turns, args.conversation_share, args.vocab_size, args.seed, args.skew,
         )
         for name in ("replicas", "nodes", "pool_mib", "block_tokens"):
             if getattr(args, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be positive")
         if args.in_flight is not None and args.in_flight < 1:
             raise ValueError("--in-flight must be positive")
+        arms = parse_arms(args.arms)
     except ValueError as e:
         print(f"distkv demo: {e}", file=sys.stderr)
         return 2
@@ -94,6 +117,8 @@ def run(args: argparse.Namespace) -> int:
     block_bytes = 2 * model.page_bytes(args.block_tokens)
     demo = Demo(args, model, workload.max_prompt_tokens, log)
     seconds: dict[str, float] = {}
+    tallies: dict[str, ArmTally] = {}
+    verifier = Verifier()
     try:
         demo.start()
         seconds["start"] = time.perf_counter() - started
@@ -103,20 +128,20 @@ def run(args: argparse.Namespace) -> int:
             f"{model.layers} layers x {model.dim} ({model.page_bytes(args.block_tokens) >> 10} KiB of K per "
             f"{args.block_tokens}-token block), {len(trace)} requests: {conversations} conversations and "
             f"{sum(r.conversation is None for r in trace)} one-off, behind {workload.system_prompts} system "
-            f"prompts of {workload.system_tokens} tokens",
+            f"prompts of {workload.system_tokens} tokens"
+            + (f" drawn with Zipf skew {workload.skew}" if workload.skew else ""),
             file=log,
         )
-        tally = Tally(args.block_tokens, block_bytes)
-        t = time.perf_counter()
-        demo.serve(trace, "serve", tally.add, "distkv", lambda: _status(tally))
-        seconds["distkv"] = time.perf_counter() - t
-        t = time.perf_counter()
-        demo.serve(trace, "serve_own_pool_only", tally.add_own_pool_only, "own pool only", lambda: "")
-        seconds["own_pool_only"] = time.perf_counter() - t
-        t = time.perf_counter()
-        demo.serve(trace, "serve_without_offloading", tally.add_without_offloading, "offloading off", lambda: "")
-        seconds["offloading_off"] = time.perf_counter() - t
-        promotions = demo.promotion_stats()
+        for arm in arms:
+            t = time.perf_counter()
+            tally = tallies[arm.name] = ArmTally(args.block_tokens, block_bytes)
+
+            def add(i: int, result: dict[str, Any], client_ttft_s: float, arm: Arm = arm, tally: ArmTally = tally) -> None:
+                tally.add(result, client_ttft_s)
+                verifier.add(arm.name, i, result)
+
+            demo.run_arm(arm, trace, add, tally.warmed, tally.router_figures, lambda tally=tally: _status(tally))
+            seconds[arm.name] = time.perf_counter() - t
     except KeyboardInterrupt:
         print("\ndistkv demo: interrupted, cleaning up", file=sys.stderr)
         return 130
@@ -131,10 +156,11 @@ def run(args: argparse.Namespace) -> int:
         "device": demo.device,
         "model": asdict(model),
         "block_tokens": args.block_tokens,
+        "block_bytes": block_bytes,
         "workload": asdict(workload),
         "seconds": seconds,
     }
-    summary = tally.summary(oracle, promotions, setup)
+    summary = summarize(tallies, verifier, oracle, setup)
     if args.json:
         json.dump(summary, sys.stdout, indent=2)
         print()
@@ -168,31 +194,35 @@ def _dashboard_port(usual: int = 8265) -> int:
     raise RuntimeError("no free port for the Ray dashboard")
 
 
-def _status(tally: Tally) -> str:
+def _request_router(handle: Any) -> Any:
+    """The request router Serve made behind `handle`, in this process (Serve's internals:
+    None where they differ)."""
+    try:
+        return handle._router._asyncio_router.request_router
+    except AttributeError:
+        return None
+
+
+def _status(tally: ArmTally) -> str:
     return f"hit {tally.hit_rate:5.1%}  moved {tally.bytes_moved / 1e9:6.2f} GB"
 
 
 class Demo:
-    """The cluster the demo runs on and its replicas: started, used, and cleaned up."""
+    """The cluster the demo runs on and each arm's Serve application: started, used, cleaned up."""
 
     def __init__(self, args: argparse.Namespace, model: ModelConfig, max_prompt_tokens: int, log: TextIO):
         self.args = args
         self.model = model
         self.max_prompt_tokens = max_prompt_tokens
         self.log = log
-        run_id = uuid.uuid4().hex[:8]
-        self.run_id = run_id
-        self.extra_config = {
-            "cpu_bytes_to_use": args.pool_mib << 20,
-            "tenant_salt": f"demo-{run_id}",
-            "transport": args.transport,
-        }
-        self.namespace = demo_spec("namespace", self.extra_config, model, args.block_tokens).namespace
+        self.run_id = uuid.uuid4().hex[:8]
+        self.window = args.in_flight or 2 * args.replicas
         self.cluster = None
-        self.actors: list[ray.actor.ActorHandle] = []
-        self.pending: dict[ray.ObjectRef, int] = {}
         self.node_ids: list[str] = []
         self.device = "?"
+        self._placement: dict[str, Any] = {}
+        self._deployed = False
+        self._namespaces: list[str] = []
         self._agents_before: set[str] = set()
 
     @property
@@ -200,6 +230,8 @@ class Demo:
         return len(self.node_ids)
 
     def start(self) -> None:
+        from ray import serve
+
         from distkv.names import RAY_NAMESPACE
 
         if self.args.address:
@@ -224,102 +256,147 @@ class Demo:
             context = ray.init(address=self.cluster.address, namespace=RAY_NAMESPACE)
         if context.dashboard_url:
             print(f"Ray dashboard: http://{context.dashboard_url}", file=self.log, flush=True)
-        nodes = sorted(
-            (n for n in ray.nodes() if n["Alive"]), key=lambda n: "node:__internal_head__" not in n["Resources"]
-        )
+        nodes = [n for n in ray.nodes() if n["Alive"]]
         self.node_ids = [n["NodeID"] for n in nodes]
         self._agents_before = self._named_actors()
-        self._start_replicas(nodes)
+        per_node = math.ceil(self.args.replicas / len(nodes))
+        gpus = all(n["Resources"].get("GPU", 0) >= 1 for n in nodes)
+        self._placement = {
+            "max_replicas_per_node": per_node,
+            "ray_actor_options": {"num_cpus": 0, "num_gpus": 1 / per_node if gpus else 0},
+            # torch threads of each replica: the node's cores over the replicas sharing them
+            "threads": max(1, min(int(n["Resources"].get("CPU", 1)) for n in nodes) // per_node),
+        }
+        self.device = "cuda" if gpus else "cpu"
+        serve.start(proxy_location="Disabled", logging_config=SERVE_LOGGING)
 
-    def _start_replicas(self, nodes: list[Mapping[str, Any]]) -> None:
-        from ray_actors.demo_replica import DemoReplicaActor
+    def run_arm(
+        self, arm: Arm, trace: list[Request], on_result: Callable, warmed: Callable, report_router: Callable,
+        status: Callable[[], str],
+    ) -> None:
+        """Move the deployment to `arm` (deploying it first), warm it up (`warmed` gets
+        those results), send it the trace (`on_result` gets each request's result), and hand
+        `report_router` the handle's request router."""
+        from ray import serve
+        from ray.serve.config import RequestRouterConfig
+        from ray.serve.handle import DeploymentHandle
 
-        count = self.args.replicas
-        placed = [nodes[i % len(nodes)] for i in range(count)]
-        for i, node in enumerate(placed):
-            sharing = sum(1 for n in placed if n["NodeID"] == node["NodeID"])
-            gpus = node["Resources"].get("GPU", 0)
-            self.actors.append(
-                DemoReplicaActor.options(
-                    scheduling_strategy=NodeAffinitySchedulingStrategy(node["NodeID"], soft=False),
-                    num_gpus=1 / sharing if gpus >= 1 else 0,
-                ).remote(
-                    f"demo{self.run_id}_r{i}",
-                    self.extra_config,
-                    self.model,
-                    self.args.block_tokens,
-                    self.max_prompt_tokens,
-                    max(1, int(node["Resources"].get("CPU", 1)) // sharing),
-                )
-            )
-        described = ray.get([a.describe.remote() for a in self.actors], timeout=REQUEST_TIMEOUT_S)
-        self.device = ",".join(sorted({d["device"] for d in described}))
-        # one prefill each of the longest prompt, without offloading, so that no measured
-        # request pays for warming up: the first prefill of a size costs the model's
-        # allocations, and a shorter one left them to the first arm's first requests
-        warm = [0] * self.max_prompt_tokens
-        ray.get([a.serve_without_offloading.remote(warm) for a in self.actors], timeout=REQUEST_TIMEOUT_S)
-        self._wait_for_directory()
+        from ray_actors.demo_deployment import DemoEngine
 
-    def _wait_for_directory(self) -> None:
+        extra_config = {
+            "cpu_bytes_to_use": self.args.pool_mib << 20,
+            "tenant_salt": f"demo-{self.run_id}-{arm.name}",
+            "transport": self.args.transport,
+        }
+        options = dict(self._placement)
+        threads = options.pop("threads")
+        options["request_router_config"] = RequestRouterConfig(
+            request_router_kwargs=arm.router_kwargs,
+            request_routing_stats_period_s=ROUTING_STATS_PERIOD_S,
+            **({"request_router_class": arm.router} if arm.router else {}),
+        )
+        deployment = DemoEngine.options(
+            name=DEPLOYMENT,
+            num_replicas=self.args.replicas,
+            max_ongoing_requests=self.window,
+            user_config={"arm": arm.name, "engine": arm.engine, "extra_config": extra_config},
+            **options,
+        )
+        # One code version for every arm, so that the next arm reconfigures the replicas in
+        # place (a new engine each, the same process and model) instead of restarting them:
+        # Serve 2.60's serve.run draws a random version per call unless a deployment has one
+        # (its `serve deploy` keys it on the import path), and its options() no longer take one.
+        deployment._version = self.run_id
+        app = deployment.bind(f"demo{self.run_id}", self.model, self.args.block_tokens, self.max_prompt_tokens, threads)
+        self._deployed = True
+        serve.run(app, name=APP, route_prefix=None, logging_config=SERVE_LOGGING)
+        self._forget_namespaces()  # the previous arm's engines are shut down
+        if arm.engine == "distkv":
+            namespace = demo_spec("namespace", extra_config, self.model, self.args.block_tokens).namespace
+            self._namespaces.append(namespace)
+            self._wait_for_directory(namespace, DistkvConfig.from_extra_config(extra_config).directory_shards)
+        # a handle of its own: a handle keeps the router it started with
+        handle = DeploymentHandle(DEPLOYMENT, APP)
+        asyncio.run(self._warm_up(handle, warmed))
+        progress = Progress(arm.label, len(trace), self.log, status)
+        asyncio.run(self._send(handle, trace, on_result, progress))
+        progress.finish()
+        report_router(_request_router(handle))
+        handle.shutdown()  # its router stops following the deployment
+        if arm.name == "affinity":  # Ray's prefix-affinity router keeps its prefix tree in a detached actor
+            try:
+                ray.kill(ray.get_actor("LlmPrefixTreeActor", namespace=f"serve::{APP}::{DEPLOYMENT}"), no_restart=True)
+            except ValueError:
+                pass
+
+    async def _warm_up(self, handle: Any, warmed: Callable[[dict[str, Any]], None]) -> None:
+        """A window of random prompts, which share no block with the trace, so that no
+        measured request pays for a router's or a replica's first use (Ray's prefix-affinity
+        router starts its prefix tree's actor, distkv's router connects to the Directory)."""
+        rng = np.random.default_rng()
+        prompts = [
+            rng.integers(0, self.model.vocab_size, self.max_prompt_tokens // 2).tolist() for _ in range(self.window)
+        ]
+        for result in await asyncio.gather(*(handle.remote(DemoRequest(p)) for p in prompts)):
+            warmed(result)
+
+    async def _send(self, handle: Any, trace: list[Request], on_result: Callable, progress: "Progress") -> None:
+        """Send the trace in order, a window of requests at a time; a conversation's turn
+        goes out once its previous turn is answered."""
+
+        async def call(request: Request) -> tuple[dict[str, Any], float]:
+            sent = time.perf_counter()
+            result = await handle.remote(DemoRequest(request.tokens.tolist()))
+            return result, time.perf_counter() - sent
+
+        pending: dict[asyncio.Task, int] = {}
+        answered = [False] * len(trace)
+        sent = done = 0
+        while sent < len(trace) or pending:
+            while sent < len(trace) and len(pending) < self.window:
+                after = trace[sent].after
+                if after is not None and not answered[after]:
+                    break
+                pending[asyncio.ensure_future(call(trace[sent]))] = sent
+                sent += 1
+            finished, _ = await asyncio.wait(pending, timeout=REQUEST_TIMEOUT_S, return_when=asyncio.FIRST_COMPLETED)
+            if not finished:
+                raise TimeoutError(f"no request answered in {REQUEST_TIMEOUT_S:.0f} s")
+            for task in finished:
+                i = pending.pop(task)
+                result, client_ttft_s = task.result()
+                on_result(i, result, client_ttft_s)
+                answered[i] = True
+                done += 1
+                progress.update(done)
+
+    def _wait_for_directory(self, namespace: str, num_shards: int) -> None:
         """Until every replica is registered with every Directory shard: the shards start
         with the first replica, and what replicas store before then is seen late."""
         from ray_actors.directory import get_or_create_shards
 
-        shards = get_or_create_shards(self.namespace, DistkvConfig.from_extra_config(self.extra_config).directory_shards)
+        shards = get_or_create_shards(namespace, num_shards)
         deadline = time.monotonic() + REQUEST_TIMEOUT_S
-        while min(s["replicas"] for s in ray.get([shard.stats.remote() for shard in shards])) < len(self.actors):
+        while min(s["replicas"] for s in ray.get([shard.stats.remote() for shard in shards])) < self.args.replicas:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"replicas not registered with the Directory in {REQUEST_TIMEOUT_S:.0f} s")
             time.sleep(0.05)
 
-    def serve(
-        self,
-        trace: list[Request],
-        method: str,
-        on_result: Callable[[int, dict[str, Any]], None],
-        label: str,
-        status: Callable[[], str],
-    ) -> None:
-        """Send the trace round-robin over the replicas, a window of requests at a time; a
-        conversation's turn goes out once its previous turn is answered."""
-        window = self.args.in_flight or 2 * len(self.actors)
-        progress = Progress(label, len(trace), self.log, status)
-        answered = [False] * len(trace)
-        sent = 0
-        while sent < len(trace) or self.pending:
-            while sent < len(trace) and len(self.pending) < window:
-                after = trace[sent].after
-                if after is not None and not answered[after]:
-                    break
-                actor = self.actors[sent % len(self.actors)]
-                self.pending[getattr(actor, method).remote(trace[sent].tokens)] = sent
-                sent += 1
-            ready, _ = ray.wait(list(self.pending), num_returns=1, timeout=REQUEST_TIMEOUT_S)
-            if not ready:
-                raise TimeoutError(f"no request answered in {REQUEST_TIMEOUT_S:.0f} s")
-            for ref in ready:
-                i = self.pending.pop(ref)
-                on_result(i, ray.get(ref))
-                answered[i] = True
-                progress.update(sum(answered))
-        progress.finish()
+    def _forget_namespaces(self) -> None:
+        """Kill the Directory shards of the arms whose engines are shut down."""
+        from ray_actors.directory import kill_shards
 
-    def promotion_stats(self) -> dict[str, float]:
-        """Promotion bytes and seconds per path, summed over the replicas."""
-        total: dict[str, float] = {}
-        for stats in ray.get([a.stats.remote() for a in self.actors], timeout=REQUEST_TIMEOUT_S):
-            for name, value in stats.items():
-                total[name] = total.get(name, 0) + value
-        return total
+        for namespace in self._namespaces:
+            kill_shards(namespace)
+        self._namespaces.clear()
 
     def close(self) -> None:
-        """Replicas shut down (their pools removed), distkv's actors killed, the embedded
+        """Applications deleted (their pools removed), distkv's actors killed, the embedded
         cluster stopped. A second Ctrl-C does not cut it short."""
         previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
         try:
             if ray.is_initialized():
-                self._stop_actors()
+                self._stop()
                 ray.shutdown()
             if self.cluster is not None:
                 self.cluster.shutdown()
@@ -327,21 +404,17 @@ class Demo:
         finally:
             signal.signal(signal.SIGINT, previous)
 
-    def _stop_actors(self) -> None:
-        from distkv.names import RAY_NAMESPACE, agent_name
-        from ray_actors.directory import kill_shards
+    def _stop(self) -> None:
+        from ray import serve
 
-        for ref in self.pending:
-            ray.cancel(ref)
-        self.pending.clear()
-        if self.actors:
+        from distkv.names import RAY_NAMESPACE, agent_name
+
+        if self._deployed:
             try:
-                ray.get([a.shutdown.remote() for a in self.actors], timeout=60)
-            except Exception as e:  # a replica that died or hangs is killed below
-                print(f"distkv demo: a replica did not shut down cleanly: {e}", file=sys.stderr)
-            for actor in self.actors:
-                ray.kill(actor)
-        kill_shards(self.namespace)
+                serve.delete(APP)  # its replicas shut down: their pools removed, unregistered
+            except Exception as e:  # what is left is the cluster's to reclaim
+                print(f"distkv demo: the Serve application did not shut down cleanly: {e}", file=sys.stderr)
+        self._forget_namespaces()
         for node_id in self.node_ids:
             name = agent_name(node_id)
             if name not in self._agents_before and name in self._named_actors():

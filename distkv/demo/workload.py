@@ -1,6 +1,7 @@
 """The demo's trace: multi-turn conversations and one-off requests behind shared system prompts.
 
-Every request starts with one of a few system prompts. A conversation's next turn is its
+Every request starts with one of a few system prompts, drawn uniformly or, with `skew` s > 0,
+from a Zipf distribution (prompt i with weight 1 / (i + 1)^s), so that one prefix is hot. A conversation's next turn is its
 previous prompt, the reply to it and new user text; a one-off request is a system prompt
 and user text. Conversations and one-off requests are interleaved at random (a
 conversation's turns in order), and a cache-unaware router spreads them over the
@@ -27,6 +28,7 @@ class WorkloadConfig:
     conversation_share: float = 0.6  # of the requests, those that are conversation turns
     vocab_size: int = 4096
     seed: int = 0
+    skew: float = 0.0  # Zipf exponent of the system prompts' popularity; 0: uniform
 
     def __post_init__(self) -> None:
         for name in ("requests", "system_prompts", "system_tokens", "user_tokens", "turns", "vocab_size"):
@@ -34,6 +36,8 @@ class WorkloadConfig:
                 raise ValueError(f"workload {name}={getattr(self, name)} must be positive")
         if self.reply_tokens < 0:
             raise ValueError(f"workload reply_tokens={self.reply_tokens} must not be negative")
+        if not 0 <= self.skew < 100:
+            raise ValueError(f"workload skew={self.skew} must be in [0, 100)")
         if not 0 <= self.conversation_share <= 1:
             raise ValueError(f"workload conversation_share={self.conversation_share} must be in [0, 1]")
 
@@ -66,12 +70,21 @@ def generate(config: WorkloadConfig) -> list[Request]:
     slots = np.array([c for c in range(conversations) for _ in range(config.turns)][:turns_total]
                      + [-1] * (config.requests - turns_total))
     rng.shuffle(slots)
-    conversation_system = rng.integers(0, config.system_prompts, conversations)
+    weights = 1.0 / np.arange(1, config.system_prompts + 1) ** config.skew
+    popularity = weights / weights.sum()
+
+    def system_prompts(n: int | None = None):
+        # uniform draws as before skew existed, so that the default trace stays the same
+        if config.skew:
+            return rng.choice(config.system_prompts, n, p=popularity)
+        return rng.integers(0, config.system_prompts, n)
+
+    conversation_system = system_prompts(conversations)
     last: dict[int, tuple[int, np.ndarray, int]] = {}  # conversation -> (index, prompt, turn)
     trace = []
     for i, c in enumerate(slots.tolist()):
         if c < 0:
-            s = int(rng.integers(config.system_prompts))
+            s = int(system_prompts())
             trace.append(Request(np.concatenate([systems[s], text(config.user_tokens)]), s, None, 0, None))
             continue
         s = int(conversation_system[c])

@@ -4,8 +4,8 @@ The shard's side: `state` (one shard's holders) with its `changelog`, `snapshot`
 process's `upkeep`. The replica's side: `link` (DirectoryLink), whose parts are the
 `publisher`, the view (`views`: followed through a `follower`, queried through a
 `querier`, or the switch between them), the shards as `client`s, and the node's `relay`
-of publishes. Between the two: the `records` that cross, the `wire` they cross as (and
-`answer`, a query's), the query `query_channel`, `placement` (which shard keeps a block)
+of publishes. Between the two: the `records` that cross, the `wire` they cross as (a
+query's answer among them), the query `query_channel`, `placement` (which shard keeps a block)
 and the `node_table` the shards follow.
 
 May import: the foundation (`distkv.abstract`, `distkv.config`, `distkv.names`),

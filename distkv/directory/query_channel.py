@@ -410,6 +410,9 @@ class QueryChannel:
 
     def query(self, keys: Sequence[OffloadKey]) -> Future:
         future: Future = Future()
+        # on the wire once sent, so it cannot be taken back: a caller's cancel() says False,
+        # and the reader thread always sets what comes (or fails it with the connection)
+        future.set_running_or_notify_cancel()
         frame_error: Exception | None = None
         with self._lock:
             sock = self._socket

@@ -26,6 +26,7 @@ ERROR_KINDS = (
     "directory_publish",  # retried
     "directory_poll",  # retried
     "directory_query",  # its keys are misses until the answers expire
+    "routed_answer",  # a request carried a router's answer that could not be read: ignored
 )
 
 

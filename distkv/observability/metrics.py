@@ -95,6 +95,15 @@ METRICS: dict[str, MetricDef] = {
         MetricDef("distkv_transport_rate_gbps", GAUGE,
                   "The rate (GB/s) transport `auto` last measured reading from `holder_node` by each transport; "
                   "the faster carries that node's promotions", REPLICA_TAGS + ("holder_node", "transport")),
+        MetricDef("distkv_routed_requests", COUNTER,
+                  "Requests distkv's Serve router sent here with the Directory's answer, by what routing them here "
+                  "was: holder (this replica held the prefix), puller (others held it: pulled or recomputed here), "
+                  "cold (nobody held it), load_only (the router had no answer: past its deadline, the Directory "
+                  "down, no token ids)", REPLICA_TAGS + ("kind",)),
+        MetricDef("distkv_pull_gate_blocks", COUNTER,
+                  "Blocks held elsewhere that the pull gate let this replica pull (decision=pull) or had it "
+                  "recompute because pulling was expected to cost more (decision=skip), by path",
+                  REPLICA_TAGS + ("path", "decision")),
         MetricDef("distkv_blocks_stored", COUNTER,
                   "Blocks the engine stored (offloaded) into this replica's pool", REPLICA_TAGS),
         MetricDef("distkv_blocks_evicted", COUNTER,
@@ -356,6 +365,11 @@ class ReplicaSource:
         observed = manager.drain_observations()
         for path, seconds in observed.promotion_latencies:
             out.observe("distkv_promotion_latency_seconds", {**base, "path": path}, seconds)
+        for kind, n in stats.routing.routed.items():
+            out.count("distkv_routed_requests", {**base, "kind": kind}, n)
+        for path in PATHS:
+            out.count("distkv_pull_gate_blocks", {**base, "path": path, "decision": "pull"}, stats.routing.pull_allowed[path])
+            out.count("distkv_pull_gate_blocks", {**base, "path": path, "decision": "skip"}, stats.routing.pull_skipped[path])
         blocks = stats.blocks
         out.count("distkv_blocks_stored", base, blocks.stored)
         out.count("distkv_blocks_evicted", base, blocks.evicted)

@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Any, NamedTuple
 
-STATS_VERSION = 1
+STATS_VERSION = 2
 
 
 @dataclass(frozen=True)
@@ -81,6 +81,17 @@ class PoolUsage:
 
 
 @dataclass(frozen=True)
+class RoutingCounts:
+    """Requests a router sent with the Directory's answer, by what routing them here was
+    ("holder", "puller", "cold", "load_only": distkv.routing.answer); and blocks the pull
+    gate let pull and blocks it skipped (recomputed instead), by path."""
+
+    routed: Mapping[str, int]
+    pull_allowed: Mapping[str, int]
+    pull_skipped: Mapping[str, int]
+
+
+@dataclass(frozen=True)
 class ReplicaStats:
     """One replica's counts at `time` (wall clock). `errors`: counts by kind;
     `recent_errors`: (time, kind, message) of the last few, oldest first. `mode`: how its
@@ -95,6 +106,7 @@ class ReplicaStats:
     promotions: PromotionCounts
     blocks: BlockCounts
     pool: PoolUsage
+    routing: RoutingCounts
     errors: Mapping[str, int]
     recent_errors: tuple[tuple[float, str, str], ...]
     mode: str = "spec"
@@ -121,6 +133,7 @@ class ReplicaStats:
             ),
             blocks=BlockCounts(**d["blocks"]),
             pool=PoolUsage(**d["pool"]),
+            routing=RoutingCounts(**d["routing"]),
             errors=dict(d["errors"]),
             recent_errors=tuple(tuple(e) for e in d["recent_errors"]),
             mode=d.get("mode", "spec"),

@@ -26,7 +26,7 @@ logger = logging.getLogger(__name__)
 
 CALL_TIMEOUT_S = 10.0
 # what a replica entry takes from the replica's latest report (None before one came)
-REPORTED = ("mode", "lookups", "promotions", "blocks", "pool", "errors", "recent_errors")
+REPORTED = ("mode", "lookups", "promotions", "blocks", "pool", "routing", "errors", "recent_errors")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -264,6 +264,18 @@ def format_status(status: dict[str, Any]) -> str:
     if measured:
         lines += ["", "  measured per node pair (transport: auto), GB/s:"]
         lines += _table(("replica", "nodes", "object_store", "nixl", "chosen"), measured)
+    lines += ["", "ROUTING (requests a distkv router sent, by what they found here; blocks the pull gate let pull or skipped)"]
+    routing = [r for r in replicas if r["lookups"] is not None and any(r["routing"]["routed"].values())
+               or r["lookups"] is not None and any(r["routing"]["pull_skipped"].values())]
+    lines += _table(
+        ("replica", "to holder", "to puller", "cold", "load only", "pulled same/cross", "skipped same/cross"),
+        [
+            (r["replica"], *(r["routing"]["routed"].get(k, 0) for k in ("holder", "puller", "cold", "load_only")),
+             *("/".join(str(r["routing"][c].get(p, 0)) for p in ("same_node", "cross_node"))
+               for c in ("pull_allowed", "pull_skipped")))
+            for r in routing
+        ],
+    )
     lines += ["", "DIRECTORY"]
     lines += _table(
         ("namespace", "shard", "node", "keys", "holders", "replicas", "publishes", "queries", "status"),

@@ -25,7 +25,10 @@ from distkv.replica.inflight import OVERDUE_GRACE_S, PromotionsInFlight
 from distkv.replica.local_manager import Block, LocalOffloadingManager
 from distkv.replica.placement import BlockPlacement
 from distkv.replica.protection import ScanRounds
+from distkv.replica.pulls import RequestPositions, RequestPulls, seed_request_positions
 from distkv.replica.replica_stats import LoadSources, drain_observations, replica_stats
+from distkv.routing.answer import RoutedAnswer
+from distkv.routing.pull_gate import PullGate
 from distkv.storage.keys import MIN_KEY_BYTES, key_problem
 from distkv.storage.slots import MAX_KEY_BYTES
 from distkv.transfer.promotion import Promoter, Promotion
@@ -86,7 +89,10 @@ class ClusterOffloadingManager(OffloadingManager):
     Its parts: `PromotionsInFlight` (one promotion per key at most, overdue and abandoned
     ones), `ScanRounds` (what a promotion must not evict), `placement` (a BlockPlacement:
     the Directory shard of each block), `epoch` (a CacheEpoch: reset_cache moves the
-    replica to its next one, and it promotes only from holders of its own).
+    replica to its next one, and it promotes only from holders of its own), `pulls`
+    (RequestPulls: a request sent with its router's Directory answer, `request_started`,
+    promotes from the holders it names and misses at once what nobody held; `gate`, a
+    PullGate, decides once per request whether pulling beats recomputing, else MISS).
     """
 
     def __init__(
@@ -100,9 +106,13 @@ class ClusterOffloadingManager(OffloadingManager):
         placement: BlockPlacement | None = None,
         promotion_timeout_s: float = 5.0,
         mode: str = "spec",
+        gate: PullGate | None = None,
+        request_positions: RequestPositions = seed_request_positions,
     ):
         """`placement`: by the seed API's request roots over the link's shards if None;
-        `mode`: how the engine uses this replica (ReplicaStats.mode)."""
+        `mode`: how the engine uses this replica (ReplicaStats.mode); `gate`: one that lets
+        every pull go until it measured a prefill if None; `request_positions`: how the
+        engine's requests record their keys' end tokens."""
         if promotion_timeout_s <= 0:
             raise ValueError(f"promotion_timeout_s={promotion_timeout_s} must be positive")
         self._promotion_ctx = ReqContext(req_id="distkv-promotion")
@@ -120,6 +130,8 @@ class ClusterOffloadingManager(OffloadingManager):
         self.mode = mode
         self._events: list[OffloadingEvent] = []
         self.errors = ErrorLog()
+        self.pulls = RequestPulls(link, gate or PullGate(), self.errors, request_positions)
+        self.gate, self.routed = self.pulls.gate, self.pulls.routed
         self._inflight = PromotionsInFlight(promotion_timeout_s, self.errors)
         self._promoting = self._inflight.promoting  # never replaced: the hot path reads it
         self._scans = ScanRounds(promotion_timeout_s + OVERDUE_GRACE_S)
@@ -161,14 +173,17 @@ class ClusterOffloadingManager(OffloadingManager):
         if key not in self._view:  # `in` costs no call, and this is the common miss
             if type(key) is not bytes or not MIN_KEY_BYTES <= len(key) <= MAX_KEY_BYTES:
                 raise ValueError(key_problem(key))
-            ask = self.link.ask
-            if ask is not None and ask(key, self.placement.shard(key, req_context) if self._num_shards > 1 else 0):
-                self.lookups_retry += 1.0
-                self._scans.defer(req_context.req_id)
-                return RETRY
-            self.lookups_miss += 1.0
-            return MISS
-        holders = self._view.get(key)  # None if it left the view since
+            answer = req_context.get_state(RoutedAnswer)  # the router's, if it sent one
+            if (holders := answer and answer.holders_for(key, self.link.replica)) is None:
+                ask = self.link.ask
+                if ask is not None and ask(key, self.placement.shard(key, req_context) if self._num_shards > 1 else 0):
+                    self.lookups_retry += 1.0
+                    self._scans.defer(req_context.req_id)
+                    return RETRY
+                self.lookups_miss += 1.0
+                return MISS
+        else:
+            holders = self._view.get(key)  # None if it left the view since
         result = self._promote(key, holders, req_context) if holders else MISS
         if result is MISS:
             self.lookups_miss += 1.0
@@ -257,6 +272,7 @@ class ClusterOffloadingManager(OffloadingManager):
         # Running promotions keep writing their reserved rows: abandoned, their rows stay
         # retired until the Promoter reports them. No waiting on the scheduler's thread.
         self._inflight.abandon_all()
+        self.pulls.abandoned()
         self.local.reset_cache()  # the removals go out under the old epoch's id
         self._take_local_events()
         epoch = self.epoch.advance()
@@ -271,6 +287,11 @@ class ClusterOffloadingManager(OffloadingManager):
     def end_step(self) -> None:
         """The scheduler's step ended: the Directory is asked about its misses now."""
         self.link.end_step()
+        self.pulls.step_ended(time.monotonic())
+
+    def request_started(self, req_context: ReqContext) -> None:
+        """A request arrived (`RequestPulls.request_started`)."""
+        self.pulls.request_started(req_context)
 
     def request_finished(self, req_context: ReqContext) -> None:
         """The request ended: the blocks it found are no longer protected for it."""
@@ -317,6 +338,8 @@ class ClusterOffloadingManager(OffloadingManager):
         now = time.monotonic()
         if self._inflight.failed_until(key, now):
             return MISS
+        if not self.pulls.allowed(key, holders, req_context, self._blocks, self._view):
+            return MISS  # recomputing it is expected to be faster
         out = self.local.prepare_store([key], self._promotion_ctx, spare=self._scans.spares)
         self._take_local_events()
         if out is None or not out.keys_to_store:
@@ -329,6 +352,7 @@ class ClusterOffloadingManager(OffloadingManager):
         self.promoter.submit(
             Promotion(key, int(spec.block_ids[0]), int(spec.generations[0]), holders, deadline, cache_epoch=self.epoch.epoch)
         )
+        self.pulls.submitted(key, req_context, now)
         return RETRY
 
     def _apply_finished(self) -> None:
@@ -342,12 +366,16 @@ class ClusterOffloadingManager(OffloadingManager):
         """Abandon, as misses, the promotions the Promoter has not reported in time."""
         overdue = self._inflight.overdue(time.monotonic())
         if overdue:
+            self.pulls.abandoned(overdue)
             self.local.retire(overdue)
             self.lookups_miss += len(overdue)
 
     def _apply_promotions(self) -> None:
         now = time.monotonic()
-        succeeded, failed, ended = self._inflight.sort(self.promoter.finished())
+        finished = self.promoter.finished()
+        for key, ok, _ in finished:
+            self.pulls.ended(key, ok, now)
+        succeeded, failed, ended = self._inflight.sort(finished)
         if ended:  # abandoned: their retired rows are free again, whatever the outcome
             self.local.complete_store(ended, self._promotion_ctx, success=False)
         self.lookups_remote_hit += len(succeeded)

@@ -80,6 +80,8 @@ class RequestResult:
     mismatches: int  # loaded blocks whose bytes differ from what computing them gives
     first_token_s: float = 0.0  # from the request's arrival to the end of compute
     load_s: float = 0.0  # the load job's transfer time, as its handler reported it
+    wait_s: float = 0.0  # deferred: from its first lookup to the scan that admitted it
+    compute_s: float = 0.0  # the prefill of what was not loaded
     output: Any = None  # what compute returned
 
 
@@ -113,18 +115,25 @@ class Replica:
         self._end_step = getattr(self.manager, "end_step", None)  # the cluster manager's; the local one has none
         if self._end_step is not None:
             self.manager.expect_step_ends()
+        # the cluster manager's, called as vLLM's on_new_request: reads a router's answer
+        self._request_started = getattr(self.manager, "request_started", None)
         self._free_gpu = list(range(num_gpu_blocks))
         self._jobs = itertools.count()
         self._requests = itertools.count()
 
-    def serve(self, tokens: Sequence[int] | np.ndarray, max_retries: int = 1000) -> RequestResult:
-        """Serve one prompt; returns what came from the offloaded cache."""
+    def serve(
+        self, tokens: Sequence[int] | np.ndarray, max_retries: int = 1000, kv_transfer_params: dict | None = None
+    ) -> RequestResult:
+        """Serve one prompt (with the `kv_transfer_params` its router sent); returns what
+        came from the offloaded cache."""
         arrived = time.perf_counter()
         tokens = np.asarray(tokens)
         keys = block_keys(tokens, self.block_tokens)
-        ctx = ReqContext(req_id=f"req-{next(self._requests)}")
+        ctx = ReqContext(req_id=f"req-{next(self._requests)}", kv_transfer_params=kv_transfer_params)
         for i, key in enumerate(keys):  # as vLLM's scheduler records its chunks' keys
             ctx.set_offload_key_position(key, (i + 1) * self.block_tokens)
+        if self._request_started is not None:
+            self._request_started(ctx)
         retries = 0
         while (hits := self._matched_blocks(keys, ctx)) is None:
             if self._end_step is not None:  # the step ends as vLLM's does: on_schedule_end
@@ -134,6 +143,7 @@ class Replica:
                 hits = 0
                 break
             time.sleep(self.step_s)  # the scheduler defers the request by one step
+        admitted = time.perf_counter()
 
         n_gpu = len(keys) * self.factor
         if n_gpu > len(self._free_gpu):
@@ -149,14 +159,17 @@ class Replica:
                     mismatches = self._count_mismatches(keys[:hits], gpu)
                 else:
                     load_failures, hits = 1, 0
+            computing = time.perf_counter()
             output = self.compute(Prefill(tokens, keys, gpu, hits), self.kv)
-            first_token_s = time.perf_counter() - arrived
+            done = time.perf_counter()
+            first_token_s = done - arrived
             stored = self._store(keys, hits, gpu, ctx)
             self.manager.touch(keys, ctx)
         finally:
             self._free_gpu.extend(gpu.tolist())
         return RequestResult(
-            len(keys), hits, stored, retries, load_failures, mismatches, first_token_s, load_s, output
+            len(keys), hits, stored, retries, load_failures, mismatches, first_token_s, load_s,
+            admitted - arrived if retries else 0.0, done - computing, output,
         )
 
     def shutdown(self) -> None:

@@ -25,6 +25,7 @@ from distkv.observability import metrics
 from distkv.replica.cluster_manager import ClusterOffloadingManager
 from distkv.replica.dedupe import with_store_policy
 from distkv.replica.placement import BlockPlacement, RequestRoot, seed_request_root
+from distkv.replica.pulls import RequestPositions, seed_request_positions
 from distkv.replica.plan import ReplicaPlan
 from distkv.storage.pool import HostPool
 from distkv.transfer.endpoint_seal import EndpointSeal
@@ -86,12 +87,14 @@ def join_cluster(
     *,
     generations: Callable[[int], int] | None = None,
     request_root: RequestRoot = seed_request_root,
+    request_positions: RequestPositions = seed_request_positions,
     mode: str = "spec",
 ) -> OffloadingManager:
     """The replica's manager in its Ray cluster: a ClusterOffloadingManager of the plan's
     pool rows (`generations`: how its local manager reserves them, `pool.reserve_generations`
     where the pool's segment counts them), placing blocks by `request_root` (how its
-    engine's requests find their placement roots), wrapped as `store_policy` says.
+    engine's requests find their placement roots) and reading the runs a request would
+    pull by `request_positions` (how they record their keys), wrapped as `store_policy` says.
 
     Joins the cluster (`ray_address`; none starts an embedded local Ray), makes sure this
     node's NodeAgent runs (a queried link publishes through it), registers the replica with
@@ -140,6 +143,7 @@ def join_cluster(
             placement=BlockPlacement(link.num_shards, request_root),
             promotion_timeout_s=config.promotion_timeout_s,
             mode=mode,
+            request_positions=request_positions,
         )
         manager = with_store_policy(cluster, config.store_policy)
         # goes to the Directory with the link's heartbeats, for `distkv status`: plain dicts, as the shards keep reports

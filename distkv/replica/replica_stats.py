@@ -90,6 +90,7 @@ def replica_stats(cluster: ClusterOffloadingManager) -> ReplicaStats:
             used_bytes=(local.num_rows - local.num_free_rows) * row_bytes,
             capacity_bytes=local.num_rows * row_bytes,
         ),
+        routing=cluster.pulls.counts(),
         errors=errors,
         recent_errors=tuple(recent),
         mode=cluster.mode,

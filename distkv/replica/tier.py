@@ -170,6 +170,10 @@ class ClusterTier:
         """The scheduler's step ended: the step's Directory questions go now."""
         self.cluster.end_step()
 
+    def request_started(self, req_context: ReqContext) -> None:
+        """A request arrived: the Directory's answer its router sent, if any, serves its lookups."""
+        self.cluster.request_started(req_context)
+
     def request_finished(self, req_context: ReqContext) -> None:
         self.cluster.request_finished(req_context)
 

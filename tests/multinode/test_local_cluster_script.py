@@ -64,7 +64,9 @@ def test_two_ray_start_nodes_run_the_demo_and_are_stopped():
     assert summary["nodes"] == 2
     assert summary["mismatches"] == 0
     assert summary["blocks_verified"] > 0
-    assert summary["transfers"]["cross_node_promotion"]["blocks"] > 0, "no block crossed the two nodes"
+    for arm in ("distkv", "distkv-router"):
+        transfers = summary["arms"][arm]["transfers"]
+        assert transfers["cross_node_promotion"]["blocks"] > 0, f"{arm}: no block crossed the two nodes"
 
     assert len(node_pids) == 2  # each node's `ray start --block` carries the marker too
     assert processes_of(work_dir) == []

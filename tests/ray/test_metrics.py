@@ -184,8 +184,9 @@ def test_metrics_endpoint_serves_what_the_workload_did(replicas):
     assert served[series("ray_distkv_transfer_seconds_total", **ta, direction="store", rank="0")] > 0
 
     # every name on the endpoint is one METRICS defines, and the workload drove every metric
-    # but failed promotions and those of cross-node transports (its replicas share one node;
-    # tests/unit/test_exporter.py drives those). Query times come from queried replicas: this
+    # but failed promotions, those of cross-node transports (its replicas share one node;
+    # tests/unit/test_exporter.py drives those) and routed requests (no router sends these;
+    # tests/unit/test_exporter.py and tests/ray/test_serve_routing.py do). Query times come from queried replicas: this
     # workload has none (its replicas follow a pushed view), but a series that an earlier test
     # module's replicas recorded in this process goes on being exported to this Ray.
     names = {name for name, _ in served}
@@ -196,4 +197,5 @@ def test_metrics_endpoint_serves_what_the_workload_did(replicas):
         "ray_distkv_transport_bytes_total",
         "ray_distkv_transport_seconds_total",
         "ray_distkv_transport_rate_gbps",
+        "ray_distkv_routed_requests_total",
     }

@@ -106,6 +106,24 @@ class FakeLink:
         self.removed(list(self.directory.holders))
 
 
+class QueriedLink(FakeLink):
+    """A link that queries the Directory on a miss: its view is empty, and the test sees what it asks."""
+
+    queried = True
+
+    def __init__(self, directory, info):
+        super().__init__(directory, info)
+        self.asked = []
+
+    @property
+    def view(self):
+        return {}
+
+    def ask(self, key, shard):
+        self.asked.append(key)
+        return True
+
+
 class PoolFetch:
     """Stands in for the NodeAgent: reads the holder's pool when the future is resolved."""
 

@@ -226,6 +226,16 @@ def test_serve_config_shows_distkvs_spec_as_the_alternative():
     assert extra["cpu_bytes_to_use"] == replicas_per_gpu_node()[1], "the same host memory either way"
 
 
+def test_serve_config_routes_with_distkvs_router():
+    llm = llm_config()
+    assert llm["server_cls"] == "distkv.serve_llm.DistkvLLMServer"
+    router = llm["deployment_config"]["request_router_config"]["request_router_class"]
+    assert router == "distkv.serve_router.DistkvRequestRouter"
+    from ray.serve.config import RequestRouterConfig
+
+    assert RequestRouterConfig(request_router_class=router).get_request_router_class().__name__ == "DistkvRequestRouter"
+
+
 def test_serve_config_engine_kwargs_are_vllm_arguments():
     pytest.importorskip("vllm.v1.kv_offload.base")
     import dataclasses

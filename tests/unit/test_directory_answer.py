@@ -6,6 +6,7 @@ import pickle
 import msgpack
 import numpy as np
 import pytest
+from pickle_bomb import EXPLODED, Bomb
 from directory_fakes import key
 
 from distkv.directory.wire import (
@@ -52,20 +53,6 @@ def message(replicas=None, counts=(1,), flat=(0, 5, 9), fmt=ANSWER_FORMAT) -> by
     if isinstance(flat, tuple):
         flat = np.array(flat, dtype="<u8").tobytes()
     return msgpack.packb([fmt, replicas, counts, flat])
-
-
-EXPLODED: list[bool] = []
-
-
-def explode() -> None:
-    EXPLODED.append(True)
-
-
-class Bomb:
-    """A pickle whose loading runs code: what an impostor would answer."""
-
-    def __reduce__(self):
-        return (explode, ())
 
 
 REFUSED = [

@@ -10,6 +10,7 @@ import pickle
 import time
 
 import pytest
+from pickle_bomb import EXPLODED, Bomb
 from directory_fakes import FakeShard, key
 from test_cluster_faults import SilentPromoter
 from test_directory_link import Stepper
@@ -189,20 +190,6 @@ def test_a_failed_query_answers_misses(shards):
     stepper.step(0.0)
     assert link.view[key(1)] == ()
     assert link.errors.counts()["directory_query"] == 1
-
-
-EXPLODED: list[bool] = []
-
-
-def explode() -> None:
-    EXPLODED.append(True)
-
-
-class Bomb:
-    """A pickle whose loading runs code: what an impostor on a shard's port would answer."""
-
-    def __reduce__(self):
-        return (explode, ())
 
 
 def test_an_answer_that_is_no_typed_answer_runs_nothing_and_answers_misses(shards):

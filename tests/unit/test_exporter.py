@@ -21,6 +21,7 @@ from cluster_fakes import FakeDirectory, FakeLink, FunctionFetch
 from distkv.replica.cluster_manager import ClusterOffloadingManager
 from distkv.directory.state import DirectoryState
 from distkv.directory.records import ReplicaInfo
+from distkv.routing.answer import PARAMS_KEY, encode, from_directory
 from distkv.replica.harness import Replica, block_keys
 from distkv.observability.metrics import (
     METRICS,
@@ -265,7 +266,9 @@ def test_replica_source_exports_the_stats(replicas):
     a, b = replicas(directory, "node-1"), replicas(directory, "node-2")
     tokens = prompt(2)
     a.serve(tokens)
-    b.serve(tokens)
+    keys = block_keys(tokens, BLOCK_TOKENS)  # b's request comes with a router's answer: a holds them
+    answer = from_directory("ns0", keys, [list(directory.holders[k].values()) for k in keys])
+    b.serve(tokens, kv_transfer_params={PARAMS_KEY: encode(answer)})
     b.manager.link.query_times.append((0, 0.012))  # as a queried link's answered call
     backend = Recorder()
     exporter = Exporter(backend)
@@ -288,6 +291,8 @@ def test_replica_source_exports_the_stats(replicas):
     assert backend.counters[("distkv_transport_bytes", *tags, "object_store")] == 8 * BLOCK_BYTES
     assert backend.counters[("distkv_transport_seconds", *tags, "object_store")] > 0
     assert stats.promotions.transports["object_store"].blocks == 8
+    assert backend.counters[("distkv_routed_requests", *tags, "puller")] == 1
+    assert backend.counters[("distkv_pull_gate_blocks", *tags, "cross_node", "pull")] == 8
 
 
 def test_evictions_and_rejected_stores_are_counted(replicas):

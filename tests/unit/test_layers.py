@@ -1,8 +1,9 @@
 """The one direction of distkv's imports (docs/architecture.md, "The plan").
 
 Layers, lowest first: the foundation (`distkv.abstract`, `distkv.config`, `distkv.names`),
-`observability`, `storage`, `directory`, `transfer`, `replica`, then the adapters at the top
-(`distkv.vllm`, `distkv.vllm_tier`, `distkv.cli`, `distkv.demo`). A module imports its own
+`observability`, `storage`, `directory`, `transfer`, `routing`, `replica`, then the adapters at the
+top (`distkv.vllm`, `distkv.vllm_tier`, `distkv.serve_router`, `distkv.serve_llm`, `distkv.cli`,
+`distkv.demo`). A module imports its own
 layer and those below it, never one above. `ray_actors` is the one meeting point with Ray:
 it imports the library, and the library imports it only where the cluster is wired
 together. The old module paths kept for pickles import the library and nothing imports them.
@@ -16,13 +17,15 @@ import sys
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-LAYERS = ["foundation", "observability", "storage", "directory", "transfer", "replica", "adapters"]
+LAYERS = ["foundation", "observability", "storage", "directory", "transfer", "routing", "replica", "adapters"]
 FOUNDATION = {"distkv.abstract", "distkv.config", "distkv.names"}
-ADAPTERS = {"distkv.vllm", "distkv.vllm_tier", "distkv.cli", "distkv.__main__", "distkv.demo"}
+ADAPTERS = {
+    "distkv.vllm", "distkv.vllm_tier", "distkv.serve_router", "distkv.serve_llm", "distkv.cli", "distkv.__main__", "distkv.demo",
+}
 # the old paths of what crosses Ray pickled (docs/operations.md, "Rolling upgrades")
 ALIASES = {"distkv.directory_state", "distkv.pool", "distkv.node_table", "distkv.segments", "distkv.stats"}
 # where the cluster is wired together: they create the actors and hand them to the plain classes
-WIRING = {"distkv/replica/join.py", "distkv/demo/runner.py"}
+WIRING = {"distkv/replica/join.py", "distkv/demo/runner.py", "distkv/serve_router.py"}
 
 
 def module_name(path: pathlib.Path) -> str:
@@ -95,14 +98,14 @@ def test_only_the_wiring_imports_the_actors():
     assert importers <= WIRING
 
 
-@pytest.mark.parametrize("package", ["observability", "storage", "directory", "transfer", "replica"])
+@pytest.mark.parametrize("package", ["observability", "storage", "directory", "transfer", "routing", "replica"])
 def test_a_subpackage_says_what_it_owns_and_may_import(package):
     doc = ast.get_docstring(ast.parse((ROOT / "distkv" / package / "__init__.py").read_text()))
     assert doc and "May import" in doc
 
 
-@pytest.mark.parametrize("package", ["directory", "storage", "transfer"])
-def test_no_ray_in_the_directory_storage_and_transfer(package):
+@pytest.mark.parametrize("package", ["directory", "storage", "transfer", "routing"])
+def test_no_ray_in_the_directory_storage_transfer_and_routing(package):
     """Not even inside a function: what they need of Ray comes in as plain interfaces
     (a shard's client, a NodeAgent's fetch). Observability imports it only inside the
     functions that run where Ray does (the exporter, `distkv status`): the test below."""
@@ -112,11 +115,11 @@ def test_no_ray_in_the_directory_storage_and_transfer(package):
 
 
 def test_importing_the_library_imports_neither_ray_nor_an_actor():
-    """Every module of the five subpackages, imported: no Ray, no actor (the composition
+    """Every module of the six subpackages, imported: no Ray, no actor (the composition
     root imports them when it joins a cluster)."""
     code = (
         "import importlib, pkgutil, sys\n"
-        "for sub in ('observability', 'storage', 'directory', 'transfer', 'replica'):\n"
+        "for sub in ('observability', 'storage', 'directory', 'transfer', 'routing', 'replica'):\n"
         "    package = importlib.import_module('distkv.' + sub)\n"
         "    for info in pkgutil.walk_packages(package.__path__, package.__name__ + '.'):\n"
         "        importlib.import_module(info.name)\n"

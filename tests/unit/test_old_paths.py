@@ -9,7 +9,7 @@ import pytest
 
 from distkv.directory.node_table import DeadNodesVersion
 from distkv.directory.records import Changes, Cursor, Holder, ReplicaInfo
-from distkv.observability.stats import BlockCounts, LookupCounts, PoolUsage, PromotionCounts, ReplicaStats
+from distkv.observability.stats import BlockCounts, LookupCounts, PoolUsage, PromotionCounts, ReplicaStats, RoutingCounts
 from distkv.storage.pool import PoolLoadStoreSpec
 from distkv.storage.segments import UntrustedSegment
 from distkv.storage.slots import Sealed
@@ -17,7 +17,7 @@ from distkv.storage.slots import Sealed
 INFO = ReplicaInfo("a", "node-1", "distkv-ns-a", 64, 1, 4096)
 STATS = ReplicaStats(
     "ns", "a", "node-1", 1.0, LookupCounts(1, 2, 3, 4), PromotionCounts({}, {}, {}, {}, 0, {}, {}),
-    BlockCounts(1, 2, {}), PoolUsage(4, 2, 0, 4), {}, (),
+    BlockCounts(1, 2, {}), PoolUsage(4, 2, 0, 4), RoutingCounts({}, {}, {}), {}, (),
 )
 # (the module that defined it before, the object)
 CROSSING = [

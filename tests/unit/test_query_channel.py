@@ -147,6 +147,17 @@ def test_queries_in_flight_get_their_own_answers(shard):
     channel.close()
 
 
+def test_a_query_in_flight_cannot_be_cancelled_and_the_channel_answers_on(shard):
+    channel = connected(QueryChannel(shard.endpoint(), NAMESPACE))
+    shard.hold.clear()
+    first = channel.query([b"first"])
+    assert not first.cancel()  # on the wire: a caller that gives up on it lets it be
+    shard.hold.set()
+    assert first.result(WAIT_S) == b"first"
+    assert channel.query([b"next"]).result(WAIT_S) == b"next"  # the reader thread lives on
+    channel.close()
+
+
 def test_a_query_the_shard_fails_fails_alone(shard):
     channel = connected(QueryChannel(shard.endpoint(), NAMESPACE))
     with pytest.raises(RuntimeError, match="ValueError: a bad key"):

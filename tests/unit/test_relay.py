@@ -12,7 +12,7 @@ from distkv.directory.link import DirectoryLink
 from distkv.directory.publisher import DirectPublish, Publisher
 from distkv.directory.records import ReplicaInfo
 from distkv.directory.wire import encode_changes
-from distkv.directory.state import DirectoryState, publish_interval
+from distkv.directory.state import DirectoryState
 from distkv.observability.errors import ErrorLog
 from distkv.directory.relay import PublishRelay, RelayBatch
 

@@ -6,6 +6,7 @@ import pickle
 
 import msgpack
 import pytest
+from pickle_bomb import EXPLODED, Bomb
 from directory_fakes import key
 
 from distkv.config import DIRECTORY_FORMAT
@@ -25,20 +26,6 @@ from distkv.directory.records import ReplicaInfo
 
 A = ReplicaInfo("a", "node-1", "distkv-ns-a", 1 << 13, 1, 4096)
 B = ReplicaInfo("b", "node-2", "distkv-ns-b", 64, 1, 4096)
-EXPLODED: list[bool] = []
-
-
-def explode() -> None:
-    EXPLODED.append(True)
-
-
-class Bomb:
-    """A payload whose unpickling runs code: one that would kill a shard, each incarnation."""
-
-    def __reduce__(self):
-        return (explode, ())
-
-
 def test_a_payload_of_plain_data_crosses_encoded():
     stored = [(key(1), 3, 2**64 - 1), (key(2), 0, 7)]
     assert decode_stored(encode_stored(stored), "register") == stored

@@ -12,6 +12,7 @@ from distkv.observability.stats import (
     PoolUsage,
     PromotionCounts,
     ReplicaStats,
+    RoutingCounts,
     TransportCounts,
 )
 
@@ -29,6 +30,11 @@ STATS = ReplicaStats(
     ),
     blocks=BlockCounts(stored=4, evicted=1, loaded={"local": 4, "same_node": 3, "cross_node": 5}),
     pool=PoolUsage(rows=8, free_rows=2, used_bytes=6 << 20, capacity_bytes=8 << 20),
+    routing=RoutingCounts(
+        routed={"holder": 3, "puller": 1, "cold": 2, "load_only": 0},
+        pull_allowed={"same_node": 4, "cross_node": 9},
+        pull_skipped={"same_node": 0, "cross_node": 2},
+    ),
     errors={"store_rejected": 1},
     recent_errors=((10.0, "store_rejected", "1 x full"),),
 )
@@ -41,7 +47,7 @@ def test_stats_survive_pickling_and_a_json_round_trip_of_their_dict():
 
 
 def test_stats_of_another_version_are_refused():
-    with pytest.raises(ValueError, match="version 2; this distkv reads version 1"):
-        ReplicaStats.from_dict({**STATS.to_dict(), "version": 2})
+    with pytest.raises(ValueError, match="version 1; this distkv reads version 2"):
+        ReplicaStats.from_dict({**STATS.to_dict(), "version": 1})
     with pytest.raises(ValueError, match="version None"):
         ReplicaStats.from_dict({k: v for k, v in STATS.to_dict().items() if k != "version"})

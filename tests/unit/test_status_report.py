@@ -3,11 +3,12 @@
 import argparse
 import socket
 
-from distkv.observability.stats import BlockCounts, LookupCounts, PoolUsage, PromotionCounts, ReplicaStats
+from distkv.routing.answer import ROUTED_KINDS
+from distkv.observability.stats import BlockCounts, LookupCounts, PoolUsage, PromotionCounts, ReplicaStats, RoutingCounts
 from distkv.observability.status import format_status, merge_replicas, recent_errors, run
 
 
-def report(t: float, local_hit: int = 0, miss: int = 0, errors=()) -> dict:
+def report(t: float, local_hit: int = 0, miss: int = 0, errors=(), routed=None) -> dict:
     """A replica's report as its link sends it to the Directory."""
     paths = {"same_node": 0, "cross_node": 0}
     return ReplicaStats(
@@ -20,6 +21,7 @@ def report(t: float, local_hit: int = 0, miss: int = 0, errors=()) -> dict:
                                    transports={}, transport_rates={}),
         blocks=BlockCounts(stored=4, evicted=0, loaded={"local": 0, "same_node": 0, "cross_node": 0}),
         pool=PoolUsage(rows=8, free_rows=4, used_bytes=4 << 20, capacity_bytes=8 << 20),
+        routing=RoutingCounts(routed=routed or dict.fromkeys(ROUTED_KINDS, 0), pull_allowed=paths, pull_skipped=paths),
         errors={kind: 1 for _, kind, _ in errors},
         recent_errors=tuple(errors),
     ).to_dict()

@@ -13,7 +13,7 @@ import uuid
 
 import numpy as np
 import pytest
-from cluster_fakes import FakeDirectory, FakeLink, PoolFetch
+from cluster_fakes import FakeDirectory, FakeLink, QueriedLink, PoolFetch
 
 from distkv.abstract import LookupResult, ReqContext
 from distkv.replica.cluster_manager import ClusterOffloadingManager
@@ -22,6 +22,7 @@ from distkv.names import segment_name
 from distkv.storage.segments import SHM_DIR
 from distkv.storage.pool import HostPool, PoolLayout
 from distkv.transfer.promotion import Promoter
+from distkv.routing.answer import PARAMS_KEY, encode, from_directory
 from distkv.replica.tier import ClusterTier
 from distkv.storage.tier_copies import ChunkCopier
 from distkv.transfer.transport import ObjectStoreTransport
@@ -260,3 +261,30 @@ def test_closing_leaves_no_segment_and_no_thread(replicas):
     a.tier.close()
     assert not os.path.exists(os.path.join(SHM_DIR, name))
     assert not [t for t in threading.enumerate() if t.name.startswith(("distkv-tier", "distkv-promoter"))]
+
+
+def test_a_request_its_router_sent_an_answer_with_promotes_what_it_names_and_misses_the_rest(replicas):
+    directory = FakeDirectory()
+    a = replicas(directory)
+    (held,) = keys_of(3, 1)
+    data = stored(a, [held], [0], seed=3)
+    b = replicas(directory, "node-2")
+    b.link = QueriedLink(directory, b.link.info)
+    cluster = b.tier.cluster
+    cluster.link, cluster._view = b.link, b.link.view  # b queries instead of following
+    cold = b"cold-0000"  # of the held key's group, as a prompt's keys are
+    holders = [list(directory.holders[held].values()), []]
+    answer = from_directory(b.link.namespace, [held, cold], holders)
+    ctx = ReqContext("routed", kv_transfer_params={PARAMS_KEY: encode(answer)})
+    b.tier.request_started(ctx)
+    assert cluster.routed["puller"] == 1
+    assert b.tier.lookup(cold, ctx) is MISS  # the router said nobody holds it: no question, no wait
+    assert b.tier.lookup(held, ctx) is RETRY  # promoted from the holder the answer names
+    assert not b.link.asked
+    while b.tier.lookup(held, ctx) is RETRY:
+        b.tier.finished()
+        time.sleep(0.001)
+    assert b.tier.lookup(held, ctx) is HIT
+    b.load([held], [4])
+    (result,) = b.results(1).values()
+    assert result.success and np.array_equal(b.primary[4], data[0])

@@ -1,0 +1,146 @@
+"""The routing rule: each candidate replica scored by the time to first token expected there.
+
+    expected(c) = queue_len(c) * service_s                       waiting behind its queue
+                + min(pull(c, path, n_pull), prefill(c) * n_pull)  blocks another replica holds
+                + prefill(c) * (blocks - own(c) - n_pull)          blocks nobody holds for it
+
+`own(c)`: the leading blocks of the prompt in c's own pool (they cost nothing); `n_pull`: the
+blocks after those that another replica holds, pulled on `path` (the same node when a
+replica on c's node holds them, else across nodes) or recomputed, whichever c's pull gate
+will choose (`distkv.routing.pull_gate`: the same rule, the same measurements). `queue_len` is
+Serve's count of the requests c has in flight; `service_s` the time a request keeps a
+replica busy, which the router measures from the requests it routed. A replica's costs are
+what its pull gate measured, sent in its routing stats (`Costs.from_estimates`); what it has
+not measured yet is taken from `PRIOR`, measured on the demo (docs/routing.md). With no
+Directory answer every candidate holds nothing and the rule is the least expected wait.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from distkv.routing.pull_gate import PATHS
+from distkv.routing.answer import RoutedAnswer
+
+# How much of its estimate the service time keeps per request observed.
+SERVICE_DECAY = 0.9
+
+
+@dataclass(frozen=True)
+class Costs:
+    """What a request costs on one replica, seconds: a prefill per block, a pull of n blocks
+    per path as (intercept, slope per block), the engine's step (a pull waits whole steps)."""
+
+    prefill_s_per_block: float
+    pull_s: Mapping[str, tuple[float, float]]
+    step_s: float
+
+    def pull(self, path: str, blocks: int) -> float:
+        intercept, slope = self.pull_s[path]
+        return max(1, math.ceil((intercept + slope * blocks) / self.step_s)) * self.step_s
+
+    def recompute(self, blocks: float) -> float:
+        return self.prefill_s_per_block * blocks
+
+    def from_estimates(self, estimates: Mapping[str, Any] | None) -> "Costs":
+        """These costs with what a replica's `PullGate.estimates()` measured in place of
+        each prior it has a measurement for; these costs alone for anything malformed."""
+        try:
+            prefill = estimates.get("prefill_s")
+            pulls = estimates.get("pull_s") or {}
+            step = estimates.get("step_s")
+            return Costs(
+                float(prefill[1]) if prefill else self.prefill_s_per_block,
+                {p: tuple(map(float, pulls[p])) if pulls.get(p) else self.pull_s[p] for p in PATHS},
+                float(step) if step and step > 0 else self.step_s,
+            )
+        except (AttributeError, TypeError, ValueError, IndexError, KeyError):
+            return self
+
+
+# Measured on the demo's trace, as the medians of what the replicas' pull gates and the router
+# measured over 9 runs of bench/routing.py (4 replicas of the demo's model on 2 simulated nodes
+# of a 2-core machine, which other jobs shared): docs/routing.md, "The constants".
+PRIOR = Costs(
+    prefill_s_per_block=0.011,
+    pull_s={"same_node": (0.0087, 0.0010), "cross_node": (0.0053, 0.0045)},
+    step_s=0.0071,
+)
+PRIOR_SERVICE_S = 0.27
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A replica the router may choose: `key` is the router's own id for it; `replica_id`
+    and `node_id` its distkv identity (None before it said, in its routing stats)."""
+
+    key: Any
+    replica_id: str | None
+    node_id: str | None
+    queue_len: int
+    costs: Costs = PRIOR
+
+
+class HeldPrefix:
+    """Who holds how much of a prompt's prefix, from the Directory's answer: each replica's
+    run of leading blocks, and for each block who holds it."""
+
+    def __init__(self, answer: RoutedAnswer | None, blocks: int) -> None:
+        self.blocks = blocks
+        keys = answer.keys if answer is not None and answer.answered else ()
+        holders = answer.holders if answer is not None else {}
+        self.runs: dict[str, int] = {}
+        self.nodes: dict[str, str] = {}
+        # per block in prefix order, up to the last one held: its holders, as the shard gives
+        # them ((replica_id, node_id, row, generation) tuples)
+        self.held: list[tuple] = []
+        last = max((i for i, key in enumerate(keys) if key in holders), default=-1)
+        runs, nodes = self.runs, self.nodes
+        for i in range(last + 1):
+            key_holders = holders.get(keys[i], ())
+            self.held.append(key_holders)
+            for h in key_holders:
+                nodes[h[0]] = h[1]
+                if runs.get(h[0], 0) == i:
+                    runs[h[0]] = i + 1
+
+    def split(self, c: Candidate) -> tuple[int, int, str]:
+        """(blocks in c's own pool, blocks after those held by other replicas, the path
+        to pull them on)."""
+        own = self.runs.get(c.replica_id, 0) if c.replica_id is not None else 0
+        pull = 0
+        for key_holders in self.held[own:]:
+            if not any(h[0] != c.replica_id for h in key_holders):
+                break
+            pull += 1
+        near = any(
+            run >= own + pull and self.nodes[r] == c.node_id for r, run in self.runs.items() if r != c.replica_id
+        )
+        return own, pull, "same_node" if near and c.node_id is not None else "cross_node"
+
+
+class ExpectedTTFT:
+    """Scores candidates by the rule above; learns `service_s` from the requests routed."""
+
+    def __init__(self, service_s: float = PRIOR_SERVICE_S, rng: random.Random | None = None) -> None:
+        self.service_s = service_s
+        self._rng = rng or random.Random()
+
+    def observe_service(self, seconds: float, ahead: int) -> None:
+        """A request routed behind `ahead` others took `seconds` from routing to its answer."""
+        if seconds > 0 and ahead >= 0 and math.isfinite(seconds):
+            self.service_s = SERVICE_DECAY * self.service_s + (1 - SERVICE_DECAY) * seconds / (ahead + 1)
+
+    def expected(self, c: Candidate, held: HeldPrefix) -> float:
+        own, pull, path = held.split(c)
+        costs = c.costs
+        pulled = min(costs.pull(path, pull), costs.recompute(pull)) if pull else 0.0
+        return c.queue_len * self.service_s + pulled + costs.recompute(held.blocks - own - pull)
+
+    def rank(self, candidates: Sequence[Candidate], held: HeldPrefix) -> list[Candidate]:
+        """The candidates, best first; equal scores in random order."""
+        return sorted(candidates, key=lambda c: (self.expected(c, held), self._rng.random()))

@@ -1,0 +1,163 @@
+"""The routing rule and the router's decisions, without Ray: fake candidates, fake holders,
+fake queue lengths, and a Directory that is a coroutine the test controls."""
+
+import asyncio
+import random
+
+import pytest
+
+from distkv.directory import Holder
+from distkv.replica.harness import block_keys
+from distkv.routing.answer import from_directory
+from distkv.routing.keys import SeedKeys
+from distkv.routing.router import RouterCore, routing_stats
+from distkv.routing.score import PRIOR, Candidate, Costs, ExpectedTTFT, HeldPrefix
+
+BLOCK_TOKENS = 16
+TOKENS = list(range(32 * BLOCK_TOKENS))  # 32 blocks
+KEYS = block_keys(TOKENS, BLOCK_TOKENS)
+# a prefill of 3 ms a block; a pull within the node 3 ms + 0.1 ms a block, across nodes
+# 8 ms + 0.5 ms a block; a step 2.5 ms; a request keeps a replica 40 ms
+COSTS = Costs(0.003, {"same_node": (0.003, 0.0001), "cross_node": (0.008, 0.0005)}, 0.0025)
+SERVICE_S = 0.040
+
+
+def held_by(*replicas: tuple[str, str], blocks: int = 32):
+    """The Directory's answer: each (replica, node) holds the prompt's first `blocks` blocks."""
+    holders = [[(r, node, i, 1) for r, node in replicas] if i < blocks else [] for i in range(len(KEYS))]
+    return from_directory("ns", KEYS, holders)
+
+
+def candidates(**queues: int) -> list[Candidate]:
+    """Replicas a and b on node-1, c and d on node-2, with the queue lengths given (else 0)."""
+    nodes = {"a": "node-1", "b": "node-1", "c": "node-2", "d": "node-2"}
+    return [Candidate(name, name, node, queues.get(name, 0), COSTS) for name, node in nodes.items()]
+
+
+def ranked(answer, **queues) -> list[str]:
+    score = ExpectedTTFT(SERVICE_S, random.Random(0))
+    return [c.key for c in score.rank(candidates(**queues), HeldPrefix(answer, len(KEYS)))]
+
+
+def test_an_idle_holder_gets_the_request():
+    assert ranked(held_by(("a", "node-1")))[0] == "a"
+    # a shorter prefix held elsewhere does not beat a longer one held by the idle candidate
+    assert ranked(held_by(("c", "node-2"), blocks=8), c=0)[0] == "c"
+
+
+def test_a_hot_prefix_spreads_once_the_holders_queue_costs_more_than_a_pull():
+    answer = held_by(("a", "node-1"))
+    # one request ahead at the holder (40 ms) against a pull within its node (3 steps: 7.5 ms)
+    order = ranked(answer, a=1)
+    assert order[0] == "b"  # a's neighbour pulls it through shared memory
+    assert order.index("c") > order.index("b")  # across nodes costs more
+    assert ranked(answer, a=1, b=3)[0] in ("c", "d")  # the neighbour is busier still: across nodes
+
+
+def test_a_pull_that_costs_more_than_the_prefill_is_scored_as_the_prefill():
+    slow = Costs(0.003, {"same_node": (0.5, 0.0), "cross_node": (0.5, 0.0)}, 0.0025)
+    c = Candidate("b", "b", "node-1", 0, slow)
+    held = HeldPrefix(held_by(("a", "node-1")), len(KEYS))
+    assert ExpectedTTFT(SERVICE_S).expected(c, held) == pytest.approx(32 * 0.003)
+
+
+def test_with_no_answer_the_least_busy_replica_gets_the_request():
+    assert ranked(from_directory("ns", KEYS, [[]] * len(KEYS)), a=2, b=1, c=3, d=0)[0] == "d"
+
+
+def test_the_service_time_follows_what_the_router_saw():
+    score = ExpectedTTFT(SERVICE_S)
+    for _ in range(100):
+        score.observe_service(0.3, ahead=2)  # behind two others: 100 ms a request
+    assert score.service_s == pytest.approx(0.1, rel=0.01)
+
+
+class FakeManager:
+    """What `routing_stats` reads of a replica's cluster manager."""
+
+    def __init__(self, replica_id, node_id):
+        from types import SimpleNamespace
+
+        from distkv.routing.pull_gate import PullGate
+
+        self.link = SimpleNamespace(
+            info=SimpleNamespace(replica_id=replica_id, node_id=node_id), namespace="ns", num_shards=2
+        )
+        self.gate = PullGate()
+        self.gate.observe_prefill(10, 0.02)
+
+
+def stats(replica_id, node_id):
+    return routing_stats(FakeManager(replica_id, node_id), SeedKeys(BLOCK_TOKENS))
+
+
+class Directory:
+    """A Directory shard the test answers: every query waits until `answer` is called."""
+
+    def __init__(self):
+        self.asked = []
+        self.answered = asyncio.Event()
+        self.holders = None
+
+    async def ask(self, namespace, num_shards, shard, keys):
+        self.asked.append((namespace, num_shards, shard, list(keys)))
+        await self.answered.wait()
+        if isinstance(self.holders, Exception):
+            raise self.holders
+        return self.holders
+
+    def answer(self, holders):
+        self.holders = holders
+        self.answered.set()
+
+
+def test_a_replica_says_who_it_is_and_what_its_gate_measured():
+    core = RouterCore(Directory().ask)
+    identity = core.identity(stats("a", "node-1"))
+    assert (identity.replica_id, identity.node_id, identity.namespace, identity.directory_shards) == (
+        "a", "node-1", "ns", 2,
+    )
+    assert identity.keys.keys(TOKENS) == KEYS
+    assert identity.costs.prefill_s_per_block == pytest.approx(0.002)  # measured, not the prior
+    assert identity.costs.pull_s == PRIOR.pull_s  # not measured yet: the prior
+    assert core.identity({}) is None and core.identity({"distkv": {"replica_id": "x"}}) is None
+
+
+def test_one_query_per_request_to_the_shard_of_its_first_block():
+    async def run():
+        directory = Directory()
+        core = RouterCore(directory.ask)
+        identities = [core.identity(stats(r, "node-1")) for r in ("a", "b")]
+        directory.answer([[("a", "node-1", i, 1)] for i in range(len(KEYS))])
+        first = await core.answer("req-1", TOKENS, None, identities)
+        again = await core.answer("req-1", TOKENS, None, identities)  # a retry of its routing
+        return directory, first, again
+
+    directory, (answer, blocks), again = asyncio.run(run())
+    assert again == (answer, blocks) and blocks == 32
+    ((namespace, shards, shard, keys),) = directory.asked
+    from distkv.directory.placement import shard_of
+
+    assert (namespace, shards, shard, keys) == ("ns", 2, shard_of(KEYS[0], 2), KEYS)
+    assert answer.holders[KEYS[5]] == (Holder("a", "node-1", 5, 1),)
+    assert answer.kind("a") == "holder" and answer.kind("b") == "puller"
+
+
+def test_past_its_deadline_the_router_routes_on_load_alone_and_counts_why():
+    async def run(holders):
+        directory = Directory()
+        core = RouterCore(directory.ask, deadline_s=0.01)
+        identities = [core.identity(stats("a", "node-1"))]
+        if holders is not None:
+            directory.answer(holders)
+        answer, _ = await core.answer("req", TOKENS, None, identities)
+        no_tokens, _ = await core.answer("req-2", None, None, identities)
+        return core, answer, no_tokens
+
+    core, answer, no_tokens = asyncio.run(run(None))  # the Directory never answers
+    assert not answer.answered and answer.kind("a") == "load_only"
+    assert core.fallbacks["deadline"] == 1 and core.fallbacks["no_tokens"] == 1 and not no_tokens.answered
+    assert ranked(answer, a=2, b=0)[0] in ("b", "c", "d")  # on load: a is the busiest
+
+    core, answer, _ = asyncio.run(run(ConnectionError("shard restarting")))
+    assert not answer.answered and core.fallbacks["directory_error"] == 1
