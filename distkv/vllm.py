@@ -374,7 +374,7 @@ class DistkvOffloadingManager(OffloadingManager):
         self.cluster.end_step()
         now = time.monotonic()
         if self._step_ended_at is not None and self._offered:
-            self.cluster.gate.observe_prefill(self._offered, now - self._step_ended_at)
+            self.cluster.pulls.gate.observe_prefill(self._offered, now - self._step_ended_at)
         self._offered, self._step_ended_at = 0, now
         self._collect_events()
 

@@ -147,7 +147,7 @@ class ModelReplica:
         pull gate let pull and skipped, requests routed here by kind, what its gate measured."""
         if not self._shared:
             return {}
-        promoter, gate = self.manager.promoter, self.manager.gate
+        promoter, gate = self.manager.promoter, self.manager.pulls.gate
         stats = {
             "same_node_bytes": promoter.bytes_same_node,
             "same_node_s": promoter.seconds_same_node,
@@ -158,7 +158,7 @@ class ModelReplica:
             _, nbytes, seconds = promoter.transported.get(transport, (0, 0, 0.0))
             stats[f"{transport}_bytes"], stats[f"{transport}_s"] = nbytes, seconds
         stats.update(
-            pull_allowed=dict(gate.allowed), pull_skipped=dict(gate.skipped), routed=dict(self.manager.routed),
+            pull_allowed=dict(gate.allowed), pull_skipped=dict(gate.skipped), routed=dict(self.manager.pulls.routed),
             gate=gate.estimates(),
         )
         return stats
@@ -183,5 +183,5 @@ class ModelReplica:
         token = prefill(self.model, self.cache, p.tokens, p.gpu_blocks, p.hit_blocks)
         if self._shared:  # what recomputing costs this replica: the pull gate's side of the scale
             computed = (len(p.tokens) - p.hit_blocks * self.block_tokens) / self.block_tokens
-            self.manager.gate.observe_prefill(computed, time.perf_counter() - started)
+            self.manager.pulls.gate.observe_prefill(computed, time.perf_counter() - started)
         return token

@@ -1,8 +1,15 @@
-"""ClusterOffloadingManager: a replica's manager, its own pool first, then the cluster's."""
+"""ClusterOffloadingManager: a replica's manager, its own pool first, then the cluster's.
+
+Its parts: `PromotionsInFlight` (one promotion per key at most, overdue and abandoned ones),
+`ScanRounds` (what a promotion must not evict), `BlockPlacement` (the Directory shard of each
+block), `CacheEpoch` (reset_cache moves the replica to its next one, and it promotes only from
+holders of its own), `RequestPulls` (a request sent with its router's Directory answer,
+`request_started`, promotes from the holders it names and misses at once what nobody held;
+its `PullGate` decides once per request whether pulling beats recomputing, else MISS).
+"""
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from collections.abc import Callable, Collection, Iterable
 
@@ -17,7 +24,6 @@ from distkv.abstract import (
     ReqContext,
 )
 from distkv.directory.link import DirectoryLink
-from distkv.names import epoch_replica_id
 from distkv.observability.errors import ErrorLog
 from distkv.observability.stats import Observations, ReplicaStats
 from distkv.replica.epochs import CacheEpoch
@@ -85,14 +91,6 @@ class ClusterOffloadingManager(OffloadingManager):
     scheduler's thread at its next call. Where the view is queried, a key missing from
     both the pool and the view is asked about (`DirectoryLink.ask`) and answers RETRY
     until the answer is in; `end_step` has the step's questions sent at once.
-
-    Its parts: `PromotionsInFlight` (one promotion per key at most, overdue and abandoned
-    ones), `ScanRounds` (what a promotion must not evict), `placement` (a BlockPlacement:
-    the Directory shard of each block), `epoch` (a CacheEpoch: reset_cache moves the
-    replica to its next one, and it promotes only from holders of its own), `pulls`
-    (RequestPulls: a request sent with its router's Directory answer, `request_started`,
-    promotes from the holders it names and misses at once what nobody held; `gate`, a
-    PullGate, decides once per request whether pulling beats recomputing, else MISS).
     """
 
     def __init__(
@@ -131,12 +129,10 @@ class ClusterOffloadingManager(OffloadingManager):
         self._events: list[OffloadingEvent] = []
         self.errors = ErrorLog()
         self.pulls = RequestPulls(link, gate or PullGate(), self.errors, request_positions)
-        self.gate, self.routed = self.pulls.gate, self.pulls.routed
         self._inflight = PromotionsInFlight(promotion_timeout_s, self.errors)
         self._promoting = self._inflight.promoting  # never replaced: the hot path reads it
         self._scans = ScanRounds(promotion_timeout_s + OVERDUE_GRACE_S)
-        self._replica_name = link.info.replica_id  # the id of epoch 0
-        self.epoch = CacheEpoch(link.info.cache_epoch, link.replica)
+        self.epoch = CacheEpoch(link.info, link.replica)
         self._loads = LoadSources()
         self.blocks_loaded = self._loads.loaded  # blocks handed to loads, by where they came from
         # Counts for `replica_stats`; a lookup that starts a promotion counts when it ends.
@@ -158,8 +154,7 @@ class ClusterOffloadingManager(OffloadingManager):
         store of it is in flight; RETRY while it is promoted from another replica (this
         call may start that), until HIT or MISS; MISS when no replica of this cache epoch
         can provide it now. ValueError for a key that is not an OffloadKey."""
-        # As few steps as Python allows: a promotion in flight has a local block, so a key
-        # without one needs only the view.
+        # As few steps as Python allows: a key without a local block needs only the view.
         try:
             block = self._blocks.get(key)
         except TypeError:  # unhashable, so not bytes
@@ -208,21 +203,13 @@ class ClusterOffloadingManager(OffloadingManager):
         self.lookups_miss += 1.0  # its promotion just failed
         return MISS
 
-    def provides(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
-        """lookup_result for an owner that promotes on load (the tier): a block only replicas
-        of this epoch hold is a HIT that starts nothing (`promote` does), a MISS if its
-        promotion failed within promotion_timeout_s."""
-        try:
-            elsewhere = key in self._view and key not in self._blocks
-        except TypeError:  # unhashable: lookup_result names the bad key
-            elsewhere = False
-        if not elsewhere:
-            return self.lookup_result(key, req_context)
-        failed = self._inflight.failed
-        if self.epoch.in_epoch(self._view.get(key, ())) and not (failed and failed.get(key, 0.0) > time.monotonic()):
-            return HIT  # counted when its promotion ends, as lookup_result counts it
+    def promotable(self, key: OffloadKey) -> bool:
+        """For an owner that promotes on load (the tier): whether `key`, held elsewhere, can be
+        promoted (held in this epoch, not failed lately). A miss counts now, a hit at `promote`'s end."""
+        if self.epoch.in_epoch(self._view.get(key, ())) and not self._inflight.failed_until(key, time.monotonic()):
+            return True
         self.lookups_miss += 1.0
-        return MISS
+        return False
 
     def promote(self, key: OffloadKey, req_context: ReqContext) -> bool:
         """Start promoting `key`, absent here, for the request of `req_context`: whether it
@@ -275,10 +262,7 @@ class ClusterOffloadingManager(OffloadingManager):
         self.pulls.abandoned()
         self.local.reset_cache()  # the removals go out under the old epoch's id
         self._take_local_events()
-        epoch = self.epoch.advance()
-        self.link.set_info(
-            dataclasses.replace(self.link.info, replica_id=epoch_replica_id(self._replica_name, epoch), cache_epoch=epoch)
-        )
+        self.link.set_info(self.epoch.advance(self.link.info))
 
     def expect_step_ends(self) -> None:
         """The owner calls end_step at the end of every scheduler step from now on."""
@@ -298,8 +282,7 @@ class ClusterOffloadingManager(OffloadingManager):
         self._scans.admitted(req_context.req_id)
 
     def on_reset_flushed(self) -> None:
-        """The engine's jobs in flight at the last reset_cache have ended: their rows are
-        free (abandoned promotions' wait for the Promoter's reports)."""
+        """The jobs in flight at the last reset_cache ended: their rows are free (abandoned promotions' later)."""
         self.local.on_reset_flushed(self._inflight.abandoned)
 
     def shutdown(self) -> None:
@@ -310,16 +293,16 @@ class ClusterOffloadingManager(OffloadingManager):
         self.closed = True
 
     @property
+    def cache_epoch(self) -> int:
+        return self.epoch.epoch
+
+    @property
     def blocks_stored(self) -> int:  # the engine's: the promoter counts promoted blocks
         return self.local.blocks_stored - self._promoted_stored
 
     @property
     def promotions_in_flight(self) -> int:
         return len(self._promoting)
-
-    @property
-    def cache_epoch(self) -> int:
-        return self.epoch.epoch
 
     def stats(self) -> ReplicaStats:
         """This replica's counts since it started (`replica_stats`)."""
@@ -373,8 +356,7 @@ class ClusterOffloadingManager(OffloadingManager):
     def _apply_promotions(self) -> None:
         now = time.monotonic()
         finished = self.promoter.finished()
-        for key, ok, _ in finished:
-            self.pulls.ended(key, ok, now)
+        self.pulls.ended(finished, now)
         succeeded, failed, ended = self._inflight.sort(finished)
         if ended:  # abandoned: their retired rows are free again, whatever the outcome
             self.local.complete_store(ended, self._promotion_ctx, success=False)

@@ -28,7 +28,6 @@ class SkipHeldElsewhere(OffloadingManager):
         self.cluster = cluster
         self.lookup = cluster.lookup
         self.lookup_result = cluster.lookup_result
-        self.provides = cluster.provides
 
     def prepare_store(self, keys: Collection[OffloadKey], req_context: ReqContext) -> PrepareStoreOutput | None:
         check_keys(keys)

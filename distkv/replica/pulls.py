@@ -74,8 +74,10 @@ class RequestPulls:
         """A promotion of `key` for the request of `req_context` started at `now`."""
         self.gate.submitted(key, req_context.get_state(RequestPull), now)
 
-    def ended(self, key: OffloadKey, ok: bool, now: float) -> None:
-        self.gate.ended(key, ok, now)
+    def ended(self, finished: Iterable[tuple[OffloadKey, bool, bool]], now: float) -> None:
+        """The Promoter's reports (key, ok, same node) of promotions that ended by `now`."""
+        for key, ok, _ in finished:
+            self.gate.ended(key, ok, now)
 
     def abandoned(self, keys: Iterable[OffloadKey] | None = None) -> None:
         """The promotions of `keys` (all if None) were abandoned: their pulls are not measured."""

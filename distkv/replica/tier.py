@@ -14,8 +14,8 @@ primary chunks vLLM reserved. `ClusterTier` does them with a replica's parts:
 store: the rows the manager reserves (chunks held already are skipped, a full pool evicts
 by its policy) are filled from the chunks and sealed, then completed, which publishes them
 to the Directory.
-lookup: `ClusterOffloadingManager.provides`: HIT for a chunk in this pool or held by a
-replica of the cache epoch, RETRY while a store, a promotion or a Directory query it needs
+lookup: the cluster manager's `lookup_result`, and `promotable` for a chunk held elsewhere:
+HIT for a chunk in this pool or held by a replica of the cache epoch, RETRY while a store, a promotion or a Directory query it needs
 is pending, MISS otherwise; the lookup starts nothing and never waits.
 load: a chunk in this pool is pinned and copied; one held elsewhere is first promoted into
 this pool (`ClusterOffloadingManager.promote`: distkv's transports, every slot checked) and
@@ -109,7 +109,16 @@ class ClusterTier:
     # ---- the scheduler's calls ---------------------------------------------------------
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
-        return TIER_ANSWERS[self.cluster.provides(key, req_context)]
+        """The cluster manager's lookup_result, except that a chunk only other replicas hold is
+        a HIT that starts nothing (its load promotes it), or a MISS if it cannot be promoted."""
+        cluster = self.cluster
+        try:
+            elsewhere = key in cluster.link.view and key not in cluster.local.blocks
+        except TypeError:  # unhashable: lookup_result names the bad key
+            elsewhere = False
+        if not elsewhere:
+            return TIER_ANSWERS[cluster.lookup_result(key, req_context)]
+        return HIT if cluster.promotable(key) else MISS
 
     def submit_store(self, job_id: int, keys: Sequence[OffloadKey], chunks: Sequence[int], req_context: ReqContext) -> None:
         """Copy the chunks of `keys` this pool does not hold into rows, sealed, then publish them."""

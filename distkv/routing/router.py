@@ -67,7 +67,7 @@ def routing_stats(manager: Any, keys: PromptKeys) -> dict[str, Any]:
             "namespace": manager.link.namespace,
             "directory_shards": manager.link.num_shards,
             "keys": keys.scheme(),
-            "costs": manager.gate.estimates(),
+            "costs": manager.pulls.gate.estimates(),
         }
     }
 

@@ -127,3 +127,16 @@ def test_importing_the_library_imports_neither_ray_nor_an_actor():
     )
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_small_modules_and_classes():
+    """One concern each: no module of the library over 600 lines, no class over 300."""
+    too_long = []
+    for path in LIBRARY:
+        text = path.read_text()
+        if len(text.splitlines()) > 600:
+            too_long.append(f"{path.relative_to(ROOT)}: {len(text.splitlines())} lines")
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.ClassDef) and node.end_lineno - node.lineno + 1 > 300:
+                too_long.append(f"{path.relative_to(ROOT)}: class {node.name}, {node.end_lineno - node.lineno + 1} lines")
+    assert not too_long

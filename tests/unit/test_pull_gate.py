@@ -101,7 +101,7 @@ def test_the_manager_recomputes_a_short_prefix_across_nodes_and_pulls_a_long_one
     b = replicas(directory, "node-2")
     tokens = prompt(1, blocks=32)
     assert a.serve(tokens).stored_blocks == 32
-    gate = b.manager.gate
+    gate = b.manager.pulls.gate
     for blocks in (4, 8, 32, 16):  # B's prefill: 1 ms a block
         gate.observe_prefill(blocks, 0.5 * MS + blocks * MS)
     for blocks in (1, 16, 4, 32):  # a pull from node-1: 5 ms plus 0.2 ms a block

@@ -67,7 +67,7 @@ def test_a_prompt_nobody_holds_is_a_plain_miss_with_the_routers_answer(queried):
 
     routed = b.serve(tokens, kv_transfer_params=answer_for(directory, tokens, b.manager.link.namespace))
     assert (routed.hit_blocks, routed.retries) == (0, 0) and not b.manager.link.asked
-    assert b.manager.routed["cold"] == 1
+    assert b.manager.pulls.routed["cold"] == 1
 
 
 def test_a_replica_promotes_from_the_holders_the_answer_names_without_asking(queried):
@@ -80,9 +80,9 @@ def test_a_replica_promotes_from_the_holders_the_answer_names_without_asking(que
     routed = b.serve(tokens, kv_transfer_params=answer_for(directory, tokens, namespace))
     assert routed.hit_blocks == 32 and routed.mismatches == 0 and not b.manager.link.asked
     assert b.manager.promoter.succeeded["cross_node"] == 32
-    assert b.manager.routed["puller"] == 1
+    assert b.manager.pulls.routed["puller"] == 1
     assert a.serve(tokens, kv_transfer_params=answer_for(directory, tokens, namespace)).hit_blocks == 32
-    assert a.manager.routed["holder"] == 1
+    assert a.manager.pulls.routed["holder"] == 1
 
 
 def test_an_unreadable_answer_is_ignored_and_counted(queried):

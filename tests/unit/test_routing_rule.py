@@ -83,8 +83,8 @@ class FakeManager:
         self.link = SimpleNamespace(
             info=SimpleNamespace(replica_id=replica_id, node_id=node_id), namespace="ns", num_shards=2
         )
-        self.gate = PullGate()
-        self.gate.observe_prefill(10, 0.02)
+        self.pulls = SimpleNamespace(gate=PullGate())
+        self.pulls.gate.observe_prefill(10, 0.02)
 
 
 def stats(replica_id, node_id):

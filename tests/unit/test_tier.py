@@ -277,7 +277,7 @@ def test_a_request_its_router_sent_an_answer_with_promotes_what_it_names_and_mis
     answer = from_directory(b.link.namespace, [held, cold], holders)
     ctx = ReqContext("routed", kv_transfer_params={PARAMS_KEY: encode(answer)})
     b.tier.request_started(ctx)
-    assert cluster.routed["puller"] == 1
+    assert cluster.pulls.routed["puller"] == 1
     assert b.tier.lookup(cold, ctx) is MISS  # the router said nobody holds it: no question, no wait
     assert b.tier.lookup(held, ctx) is RETRY  # promoted from the holder the answer names
     assert not b.link.asked
