@@ -212,7 +212,7 @@ def test_a_nixl_agent_that_does_not_start_stops_a_replica_that_asked_for_it(pool
 
 def test_nixl_missing_leaves_auto_on_the_object_store_and_says_why_once(pool, monkeypatch, caplog):
     monkeypatch.setitem(sys.modules, "nixl", None)
-    with caplog.at_level(logging.WARNING, logger="distkv.replica.specs"):
+    with caplog.at_level(logging.WARNING, logger="distkv.replica.join"):
         chooser = node_transports("auto", pool, FakeTransport("object_store"), SEAL)
     assert chooser.endpoint is None
     assert [r.getMessage() for r in caplog.records if "object store only" in r.getMessage()] == [
