@@ -168,7 +168,7 @@ class ClusterOffloadingManager(OffloadingManager):
         if key not in self._view:  # `in` costs no call, and this is the common miss
             if type(key) is not bytes or not MIN_KEY_BYTES <= len(key) <= MAX_KEY_BYTES:
                 raise ValueError(key_problem(key))
-            answer = req_context.get_state(RoutedAnswer)  # the router's, if it sent one
+            answer = req_context.get_state(RoutedAnswer) if self.pulls.any_routed else None  # no call unless routed
             if (holders := answer and answer.holders_for(key, self.link.replica)) is None:
                 ask = self.link.ask
                 if ask is not None and ask(key, self.placement.shard(key, req_context) if self._num_shards > 1 else 0):

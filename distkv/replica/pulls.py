@@ -40,6 +40,7 @@ class RequestPulls:
         self._errors = errors
         self._positions = positions
         self.routed = dict.fromkeys(ROUTED_KINDS, 0)  # routed requests, by what they found here
+        self.any_routed = False  # whether a request came with its router's answer yet
 
     def request_started(self, req_context: ReqContext) -> None:
         """A request arrived: keep the Directory's answer its router sent with it, if any
@@ -50,6 +51,7 @@ class RequestPulls:
             self._errors.add("routed_answer", "a request carried a Directory answer distkv cannot read")
         elif answer:
             self.routed[answer.kind(own)] += 1
+            self.any_routed = True
             req_context.set_state(answer.without(own))
 
     def allowed(
