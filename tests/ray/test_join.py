@@ -12,9 +12,9 @@ from distkv.replica.harness import Replica, block_keys
 from distkv.replica.specs import ClusterOffloadingSpec
 from ray_actors.directory import kill_shards
 
-import distkv.replica.cluster_manager
 import distkv.directory.link
 import distkv.observability.metrics
+import distkv.replica.join
 import ray_actors.directory
 import ray_actors.node_agent
 
@@ -108,7 +108,7 @@ FAILURES = {
     "after the transports": (ray_actors.node_agent, "start_node_agent"),
     "after the node's agent": (ray_actors.directory, "shard_clients"),
     "after the link": (distkv.directory.link.DirectoryLink, "wait_synced"),
-    "after the promoter": (distkv.replica.cluster_manager, "ClusterOffloadingManager"),
+    "after the promoter": (distkv.replica.join, "ClusterOffloadingManager"),
     "after the manager": (distkv.observability.metrics, "register"),
 }
 
