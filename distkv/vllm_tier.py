@@ -68,6 +68,7 @@ from distkv.vllm import (
     first_chunk,
     kv_identity,
     offload_key_positions,
+    publish_identity,
     vllm_request_root,
     vllm_model_settings,
 )
@@ -169,6 +170,7 @@ class DistkvTier(SecondaryTierManager):
             try:
                 cluster.expect_step_ends()  # on_schedule_end
                 self._tier = ClusterTier(cluster, pool, primary)
+                publish_identity(cluster, config)  # who it is, for distkv's router (distkv.serve_llm)
             except BaseException:
                 cluster.shutdown()
                 raise

@@ -117,6 +117,30 @@ def test_b_loads_the_prefix_a_computed_from_the_cluster(replicas):
     assert 0 < values["distkv:pool_usage_perc"][()] <= 1
 
 
+def test_a_tier_replica_tells_distkvs_router_who_it_is(replicas):
+    """Its engine's routing identity reaches Ray's internal key-value store, where its Serve
+    replica reads it for distkv's router (distkv.serve_llm), as a replica of distkv's spec's does."""
+    from ray.experimental import internal_kv
+
+    from distkv.routing.identity import KV_NAMESPACE, read_identity
+    from distkv.routing.router import STATS_KEY
+
+    a = replicas(uuid.uuid4().hex)
+    engine_id = a.scheduler.vllm_config.kv_transfer_config.engine_id
+    def get(key):
+        return internal_kv._internal_kv_get(key, namespace=KV_NAMESPACE)
+
+    deadline = time.monotonic() + 30  # a heartbeat carries it: the bound only keeps a broken link from hanging
+    while not (published := read_identity(engine_id, get)):
+        assert time.monotonic() < deadline, "the tier never published its engine's identity"
+        time.sleep(0.05)
+    identity = published[STATS_KEY]
+    assert identity["replica_id"] == a.cluster.link.info.replica_id
+    assert identity["namespace"] == a.cluster.link.namespace
+    keys = identity["keys"]  # the router keys a prompt as the tier's chunks
+    assert keys["kind"] == "vllm" and keys["tokens_per_hash"] * keys["hashes_per_chunk"] == CHUNK_TOKENS
+
+
 def test_beside_vllms_fs_tier_each_chunk_comes_from_one_tier(replicas, tmp_path):
     """A writes its chunks to its fs tier and to distkv. B, whose disk is another, gets
     them from the cluster. D, on A's disk but in another distkv namespace, from its fs tier.
