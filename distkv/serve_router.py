@@ -13,7 +13,8 @@ as the replicas' engine does, from the token ids the request carries (the `reque
 keyword Ray's LLM ingress forwards, else a `prompt_token_ids` attribute, or a `prompt` that is
 a list of ints, of its first argument), asks the Directory once which replicas hold them
 (within `query_deadline_s`; past it, it routes on load alone), ranks the candidates by the
-time to first token it expects there (`distkv.routing.score`), and puts the answer in the
+time to first token it expects there (`distkv.routing.score`: the work ahead of the request on
+each, from what it sent them, and the request's own pulls and prefill), and puts the answer in the
 request's `kv_transfer_params["distkv"]` so that the chosen replica does not ask again.
 
 This module meets Ray (Serve's router API, the Directory's actors): the rule is in
@@ -70,9 +71,8 @@ class DistkvRequestRouter(RequestRouter):
     def initialize_state(self, query_deadline_s: float = QUERY_DEADLINE_S) -> None:
         self.core = RouterCore(self._ask_directory, query_deadline_s)
         self._shards: dict[tuple[str, int], list] = {}
-        # per request in flight: its answer, and the queue length of each candidate when ranked
-        self._requests: dict[str, tuple[RoutedAnswer, dict[ReplicaID, int]]] = {}
-        self._started: dict[str, tuple[float, int]] = {}
+        # per request being routed: its answer, and the compute expected of it on each candidate
+        self._requests: dict[str, tuple[RoutedAnswer, dict[ReplicaID, float]]] = {}
         # seconds choose_replicas took, less its Directory query, per request (newest last)
         self.decision_s: list[float] = []
 
@@ -94,8 +94,12 @@ class DistkvRequestRouter(RequestRouter):
             started += time.perf_counter() - asked
         # after the query: what finished meanwhile has left Serve's queue lengths
         queue_lens = await self._queue_lens(candidate_replicas)
+        now, work = time.perf_counter(), self.core.work
         candidates = [
-            Candidate(r.replica_id, i and i.replica_id, i and i.node_id, queue_lens[r.replica_id], i.costs if i else PRIOR)
+            Candidate(
+                r.replica_id, i and i.replica_id, i and i.node_id,
+                work.ahead(r.replica_id, queue_lens[r.replica_id], now), i.costs if i else PRIOR,
+            )
             for r, i in zip(candidate_replicas, identities)
         ]
         ranked = self.core.rank(candidates, answer, blocks)
@@ -103,11 +107,11 @@ class DistkvRequestRouter(RequestRouter):
             request_id = pending_request.metadata.internal_request_id
             if request_id not in self._requests:
                 attach(pending_request, answer)
-            self._requests[request_id] = (answer, {c.key: c.queue_len for c in candidates})
+            self._requests[request_id] = (answer, {c.key: compute for c, compute in ranked})
             self.decision_s.append(time.perf_counter() - started)
             del self.decision_s[:-4096]
         replicas = {r.replica_id: r for r in candidate_replicas}
-        return [[replicas[c.key]] for c in ranked]
+        return [[replicas[c.key]] for c, _ in ranked]
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
         request_id = pending_request.metadata.internal_request_id
@@ -115,18 +119,18 @@ class DistkvRequestRouter(RequestRouter):
         self.core.forget(request_id)
         if kept is None:
             return
-        answer, queue_lens = kept
+        answer, computes = kept
         replica = self._replicas.get(replica_id)
         identity = self.core.identity(replica.routing_stats) if replica is not None else None
         self.core.routed(answer, identity.replica_id if identity else None)
-        self._started[request_id] = (time.perf_counter(), queue_lens.get(replica_id, 0))
-        if len(self._started) > 4096:
-            self._started.pop(next(iter(self._started)))
+        self.core.work.sent(replica_id, request_id, computes.get(replica_id, 0.0), time.perf_counter())
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
-        started = self._started.pop(internal_request_id, None)
-        if started is not None:
-            self.core.score.observe_service(time.perf_counter() - started[0], started[1])
+        self.core.work.completed(replica_id, internal_request_id, time.perf_counter())
+
+    def update_replicas(self, replicas: list[RunningReplica]) -> None:
+        super().update_replicas(replicas)
+        self.core.work.forget({r.replica_id for r in replicas})
 
     async def _queue_lens(self, replicas: Sequence[RunningReplica]) -> dict[ReplicaID, int]:
         """Each replica's requests in flight: Serve's cache, probing those it lacks (a

@@ -92,7 +92,8 @@ class ArmTally:
             "queries": len(core.query_s),
             "decisions": dict(core.decisions),
             "fallbacks": dict(core.fallbacks),
-            "service_s": core.score.service_s,
+            "service_s": core.work.service_s,
+            "overhead_s": core.work.overhead_s,
         }
 
     def warmed(self, result: Mapping[str, Any]) -> None:

@@ -12,7 +12,9 @@ takes the way to the Directory as a function (`Ask`), so that tests hand it fake
    request and within `deadline_s`. Without an answer (past the deadline, the Directory
    failing, no token ids, no replica that said who it is) the request is routed on load
    alone, and `fallbacks` counts why.
-3. `rank` orders the candidates by `distkv.routing.score.ExpectedTTFT`.
+3. `rank` orders the candidates by `distkv.routing.score.ExpectedTTFT`, each waiting for the
+   work ahead of it (`work`: `distkv.routing.work_ahead.WorkAhead`, told by `sent` and
+   `completed` what went where and when it ended).
 """
 
 from __future__ import annotations
@@ -29,7 +31,8 @@ from distkv.directory.client import MAX_BATCH_KEYS
 from distkv.directory.placement import shard_of
 from distkv.routing.answer import ROUTED_KINDS, RoutedAnswer, from_directory, load_only
 from distkv.routing.keys import PromptKeys, from_scheme
-from distkv.routing.score import PRIOR, Candidate, Costs, ExpectedTTFT, HeldPrefix
+from distkv.routing.score import PRIOR, PRIOR_OVERHEAD_S, PRIOR_SERVICE_S, Candidate, Costs, ExpectedTTFT, HeldPrefix
+from distkv.routing.work_ahead import WorkAhead
 
 # the key of distkv's entry in a replica's routing stats
 STATS_KEY = "distkv"
@@ -81,6 +84,7 @@ class RouterCore:
         self.ask = ask
         self.deadline_s = deadline_s
         self.score = score or ExpectedTTFT()
+        self.work = WorkAhead(PRIOR_OVERHEAD_S, PRIOR_SERVICE_S)
         self.decisions = dict.fromkeys(ROUTED_KINDS, 0)
         self.fallbacks = dict.fromkeys(FALLBACKS, 0)
         # seconds of each Directory query answered, newest last
@@ -122,7 +126,8 @@ class RouterCore:
     def forget(self, request: Any) -> None:
         self._answers.pop(request, None)
 
-    def rank(self, candidates: Sequence[Candidate], answer: RoutedAnswer, blocks: int) -> list[Candidate]:
+    def rank(self, candidates: Sequence[Candidate], answer: RoutedAnswer, blocks: int) -> list[tuple[Candidate, float]]:
+        """The candidates best first, each with the compute expected of the request there."""
         return self.score.rank(candidates, HeldPrefix(answer, blocks))
 
     def routed(self, answer: RoutedAnswer, replica_id: str | None) -> str:

@@ -1,18 +1,18 @@
 """The routing rule: each candidate replica scored by the time to first token expected there.
 
-    expected(c) = queue_len(c) * service_s                       waiting behind its queue
+    expected(c) = ahead(c)                                         the work c has to do first
                 + min(pull(c, path, n_pull), prefill(c) * n_pull)  blocks another replica holds
                 + prefill(c) * (blocks - own(c) - n_pull)          blocks nobody holds for it
 
 `own(c)`: the leading blocks of the prompt in c's own pool (they cost nothing); `n_pull`: the
 blocks after those that another replica holds, pulled on `path` (the same node when a
 replica on c's node holds them, else across nodes) or recomputed, whichever c's pull gate
-will choose (`distkv.routing.pull_gate`: the same rule, the same measurements). `queue_len` is
-Serve's count of the requests c has in flight; `service_s` the time a request keeps a
-replica busy, which the router measures from the requests it routed. A replica's costs are
-what its pull gate measured, sent in its routing stats (`Costs.from_estimates`); what it has
-not measured yet is taken from `PRIOR`, measured on the demo (docs/routing.md). With no
-Directory answer every candidate holds nothing and the rule is the least expected wait.
+will choose (`distkv.routing.pull_gate`: the same rule, the same measurements). The last two
+terms are the request's compute on c (`ExpectedTTFT.compute`); `ahead(c)` the compute and
+overhead of the requests sent to c before it (`distkv.routing.work_ahead`). A replica's costs
+are what its pull gate measured, sent in its routing stats (`Costs.from_estimates`); what it
+has not measured yet is taken from `PRIOR`, measured on the demo (docs/routing.md). With no
+Directory answer every candidate holds nothing and the rule is the least work ahead.
 """
 
 from __future__ import annotations
@@ -25,10 +25,6 @@ from typing import Any
 
 from distkv.routing.pull_gate import PATHS
 from distkv.routing.answer import RoutedAnswer
-
-# How much of its estimate the service time keeps per request observed.
-SERVICE_DECAY = 0.9
-
 
 @dataclass(frozen=True)
 class Costs:
@@ -71,17 +67,19 @@ PRIOR = Costs(
     step_s=0.0071,
 )
 PRIOR_SERVICE_S = 0.27
+PRIOR_OVERHEAD_S = 0.1
 
 
 @dataclass(frozen=True)
 class Candidate:
     """A replica the router may choose: `key` is the router's own id for it; `replica_id`
-    and `node_id` its distkv identity (None before it said, in its routing stats)."""
+    and `node_id` its distkv identity (None before it said, in its routing stats); `ahead_s`
+    the work it has to do before a request sent now (`WorkAhead.ahead`)."""
 
     key: Any
     replica_id: str | None
     node_id: str | None
-    queue_len: int
+    ahead_s: float
     costs: Costs = PRIOR
 
 
@@ -124,23 +122,25 @@ class HeldPrefix:
 
 
 class ExpectedTTFT:
-    """Scores candidates by the rule above; learns `service_s` from the requests routed."""
+    """Scores candidates by the rule above."""
 
-    def __init__(self, service_s: float = PRIOR_SERVICE_S, rng: random.Random | None = None) -> None:
-        self.service_s = service_s
+    def __init__(self, rng: random.Random | None = None) -> None:
         self._rng = rng or random.Random()
 
-    def observe_service(self, seconds: float, ahead: int) -> None:
-        """A request routed behind `ahead` others took `seconds` from routing to its answer."""
-        if seconds > 0 and ahead >= 0 and math.isfinite(seconds):
-            self.service_s = SERVICE_DECAY * self.service_s + (1 - SERVICE_DECAY) * seconds / (ahead + 1)
-
-    def expected(self, c: Candidate, held: HeldPrefix) -> float:
+    def compute(self, c: Candidate, held: HeldPrefix) -> float:
+        """Seconds of c's pulls and prefill for the prompt."""
         own, pull, path = held.split(c)
         costs = c.costs
         pulled = min(costs.pull(path, pull), costs.recompute(pull)) if pull else 0.0
-        return c.queue_len * self.service_s + pulled + costs.recompute(held.blocks - own - pull)
+        return pulled + costs.recompute(held.blocks - own - pull)
 
-    def rank(self, candidates: Sequence[Candidate], held: HeldPrefix) -> list[Candidate]:
-        """The candidates, best first; equal scores in random order."""
-        return sorted(candidates, key=lambda c: (self.expected(c, held), self._rng.random()))
+    def expected(self, c: Candidate, held: HeldPrefix) -> float:
+        return c.ahead_s + self.compute(c, held)
+
+    def rank(self, candidates: Sequence[Candidate], held: HeldPrefix) -> list[tuple[Candidate, float]]:
+        """The candidates, best first (equal scores in random order), each with its compute."""
+        computes = [self.compute(c, held) for c in candidates]
+        order = sorted(
+            range(len(candidates)), key=lambda i: (candidates[i].ahead_s + computes[i], self._rng.random())
+        )
+        return [(candidates[i], computes[i]) for i in order]

@@ -12,6 +12,7 @@ from distkv.routing.answer import from_directory
 from distkv.routing.keys import SeedKeys
 from distkv.routing.router import RouterCore, routing_stats
 from distkv.routing.score import PRIOR, Candidate, Costs, ExpectedTTFT, HeldPrefix
+from distkv.routing.work_ahead import FORGET_S, WorkAhead
 
 BLOCK_TOKENS = 16
 TOKENS = list(range(32 * BLOCK_TOKENS))  # 32 blocks
@@ -29,14 +30,16 @@ def held_by(*replicas: tuple[str, str], blocks: int = 32):
 
 
 def candidates(**queues: int) -> list[Candidate]:
-    """Replicas a and b on node-1, c and d on node-2, with the queue lengths given (else 0)."""
+    """Replicas a and b on node-1, c and d on node-2, with the queue lengths given (else 0),
+    sent by other routers: each a service time ahead."""
     nodes = {"a": "node-1", "b": "node-1", "c": "node-2", "d": "node-2"}
-    return [Candidate(name, name, node, queues.get(name, 0), COSTS) for name, node in nodes.items()]
+    work = WorkAhead(0.0, SERVICE_S)
+    return [Candidate(name, name, node, work.ahead(name, queues.get(name, 0), 0.0), COSTS) for name, node in nodes.items()]
 
 
 def ranked(answer, **queues) -> list[str]:
-    score = ExpectedTTFT(SERVICE_S, random.Random(0))
-    return [c.key for c in score.rank(candidates(**queues), HeldPrefix(answer, len(KEYS)))]
+    score = ExpectedTTFT(random.Random(0))
+    return [c.key for c, _ in score.rank(candidates(**queues), HeldPrefix(answer, len(KEYS)))]
 
 
 def test_an_idle_holder_gets_the_request():
@@ -58,18 +61,66 @@ def test_a_pull_that_costs_more_than_the_prefill_is_scored_as_the_prefill():
     slow = Costs(0.003, {"same_node": (0.5, 0.0), "cross_node": (0.5, 0.0)}, 0.0025)
     c = Candidate("b", "b", "node-1", 0, slow)
     held = HeldPrefix(held_by(("a", "node-1")), len(KEYS))
-    assert ExpectedTTFT(SERVICE_S).expected(c, held) == pytest.approx(32 * 0.003)
+    assert ExpectedTTFT().expected(c, held) == pytest.approx(32 * 0.003)
 
 
 def test_with_no_answer_the_least_busy_replica_gets_the_request():
     assert ranked(from_directory("ns", KEYS, [[]] * len(KEYS)), a=2, b=1, c=3, d=0)[0] == "d"
 
 
-def test_the_service_time_follows_what_the_router_saw():
-    score = ExpectedTTFT(SERVICE_S)
-    for _ in range(100):
-        score.observe_service(0.3, ahead=2)  # behind two others: 100 ms a request
-    assert score.service_s == pytest.approx(0.1, rel=0.01)
+def test_the_work_ahead_counts_what_each_request_sent_there_will_compute():
+    work = WorkAhead(overhead_s=0.010, service_s=SERVICE_S)
+    work.sent("a", "hit", 0.005, now=0.0)  # its prefix held: a few ms of prefill
+    work.sent("b", "miss", 0.300, now=0.0)  # recomputed whole
+    # one request in flight at each, yet a's frees much sooner
+    assert work.ahead("a", 1, now=0.0) == pytest.approx(0.015)
+    assert work.ahead("b", 1, now=0.0) == pytest.approx(0.310)
+    # what the oldest has done since it started is done: never below nothing left of it
+    assert work.ahead("b", 1, now=0.1) == pytest.approx(0.210)
+    assert work.ahead("a", 1, now=5.0) == 0.0
+    # requests other routers sent (Serve counts them, this router did not send them)
+    assert work.ahead("a", 3, now=0.0) == pytest.approx(0.015 + 2 * SERVICE_S)
+    assert work.ahead("c", 2, now=0.0) == pytest.approx(2 * SERVICE_S)
+
+
+def test_a_request_waits_at_the_replica_whose_work_ahead_is_least_not_its_shortest_queue():
+    work = WorkAhead(overhead_s=0.010, service_s=SERVICE_S)
+    work.sent("a", "r1", 0.300, now=0.0)
+    for i in range(2):
+        work.sent("b", f"r{i + 2}", 0.005, now=0.0)
+    score = ExpectedTTFT(random.Random(0))
+    cands = [Candidate(r, r, "node-1", work.ahead(r, n, 0.0), COSTS) for r, n in (("a", 1), ("b", 2))]
+    held = HeldPrefix(from_directory("ns", KEYS, [[]] * len(KEYS)), len(KEYS))
+    assert [c.key for c, _ in score.rank(cands, held)] == ["b", "a"]
+
+
+def test_a_completion_leaves_the_work_ahead_and_teaches_the_overhead():
+    work = WorkAhead(overhead_s=0.0, service_s=SERVICE_S)
+    for i in range(60):  # one after another: each could start when the previous completed
+        work.sent("a", i, 0.050, now=0.2 * i)
+        work.completed("a", i, now=0.2 * i + 0.150)
+    assert work.overhead_s == pytest.approx(0.100, rel=0.01)
+    assert work.service_s == pytest.approx(0.150, rel=0.01)
+    assert work.ahead("a", 0, now=100.0) == 0.0
+    # queued behind another: its service starts at that one's completion, not when sent
+    work.sent("a", "first", 0.050, now=100.0)
+    work.sent("a", "second", 0.050, now=100.0)
+    work.completed("a", "first", now=100.150)
+    work.completed("a", "second", now=100.300)
+    assert work.service_s == pytest.approx(0.150, rel=0.01)
+    work.completed("a", "never sent", now=101.0)  # not this router's: nothing changes
+    assert work.service_s == pytest.approx(0.150, rel=0.01)
+
+
+def test_requests_never_reported_completed_and_replicas_gone_are_forgotten():
+    work = WorkAhead(overhead_s=0.0, service_s=SERVICE_S)
+    work.sent("a", "lost", 0.3, now=0.0)
+    work.sent("b", "r", 0.3, now=0.0)
+    assert work.ahead("a", 0, now=FORGET_S + 1) == 0.0
+    work.forget({"a"})
+    assert work.ahead("b", 0, now=0.0) == 0.0
+    with pytest.raises(ValueError, match="service_s"):
+        WorkAhead(0.0, float("nan"))
 
 
 class FakeManager:

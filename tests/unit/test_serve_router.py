@@ -89,6 +89,30 @@ def test_a_busy_holder_loses_the_request_to_its_neighbour():
     asyncio.run(scenario())
 
 
+def test_what_the_router_sent_a_replica_is_work_ahead_there_until_it_completes():
+    async def scenario():
+        router, replicas, _ = make_router({}, held_by=None)
+        a = replicas[0].replica_id
+        # nobody holds the prompt: a recomputes it whole, and is counted busy for that long
+        first = pending("r1", DemoRequest(TOKENS))
+        await route(router, replicas, first)
+        router.on_request_routed(first, a, None)
+        router.replica_queue_len_cache.update(a, 1)
+        assert router.core.work.ahead(a, 1, 0.0) > 0
+        assert "a" not in (await route(router, replicas, pending("r2", DemoRequest(TOKENS))))[:2]
+        router.on_request_completed(a, "r1")
+        router.replica_queue_len_cache.update(a, 0)
+        assert router.core.work.ahead(a, 0, 0.0) == 0.0
+        third = pending("r3", DemoRequest(TOKENS))
+        await route(router, replicas, third)
+        router.on_request_routed(third, a, None)
+        assert router.core.work.ahead(a, 0, 0.0) > 0
+        router.update_replicas(replicas[1:])  # a is gone: what it was sent is forgotten
+        assert router.core.work.ahead(a, 0, 0.0) == 0.0
+
+    asyncio.run(scenario())
+
+
 def test_a_request_without_token_ids_is_routed_on_load_and_counted():
     class Chat:  # a chat request as Serve LLM's ingress hands it: messages, no token ids
         messages = [{"role": "user", "content": "hi"}]
