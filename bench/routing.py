@@ -5,6 +5,9 @@
 Each run is one `python -m distkv demo --json` of all four arms on the same trace, so every
 ratio compares arms measured in the same run (distkv with its router over distkv with
 Serve's default router, and over each replica's own pool with Ray's PrefixCacheAffinityRouter).
+An arm's figures depend on which arms ran before it in the same demo (docs/benchmarks.md,
+"Routing, session 37"), so the three compared arms take turns in each position: run i runs
+offloading off first, then the three rotated by i (a Latin square over every 3 runs).
 Three traces: the demo's default; `--skew` (one hot system prompt); a pool too small for the
 working set (`--pool-mib 32`). For each ratio the table gives the median of the runs and
 every run's value, and where each arm's slowest requests (p99 and over) spent their time.
@@ -46,9 +49,19 @@ TARGETS = [
 ]
 
 
-def run_demo(trace: str, demo_args: list[str]) -> dict[str, Any]:
+# the arms each ratio compares, rotated from run to run
+COMPARED = ("affinity", "distkv", "distkv-router")
+
+
+def arm_order(run: int) -> list[str]:
+    """Run `run`'s arms: offloading off, then the compared ones rotated by `run`."""
+    turn = run % len(COMPARED)
+    return ["off", *COMPARED[turn:], *COMPARED[:turn]]
+
+
+def run_demo(trace: str, arms: list[str], demo_args: list[str]) -> dict[str, Any]:
     done = subprocess.run(
-        [sys.executable, "-m", "distkv", "demo", "--json", *TRACES[trace], *demo_args],
+        [sys.executable, "-m", "distkv", "demo", "--json", "--arms", ",".join(arms), *TRACES[trace], *demo_args],
         cwd=ROOT, capture_output=True, text=True, timeout=1800, check=False,
     )
     if done.returncode != 0:
@@ -198,8 +211,10 @@ def main() -> int:
         for run in range(args.runs):
             for trace in args.traces.split(","):
                 started = time.perf_counter()
-                docs.setdefault(trace, []).append(run_demo(trace, demo_args))
-                print(f"run {run + 1}/{args.runs} {trace}: {time.perf_counter() - started:.0f} s", file=sys.stderr, flush=True)
+                arms = arm_order(run)
+                docs.setdefault(trace, []).append({**run_demo(trace, arms, demo_args), "arm_order": arms})
+                print(f"run {run + 1}/{args.runs} {trace} ({', '.join(arms)}): {time.perf_counter() - started:.0f} s",
+                      file=sys.stderr, flush=True)
         figures = {**summarize(docs), "documents": docs}
         print_table(figures)
     if args.json:
