@@ -66,8 +66,8 @@ PRIOR = Costs(
     pull_s={"same_node": (0.0087, 0.0010), "cross_node": (0.0053, 0.0045)},
     step_s=0.0071,
 )
-PRIOR_SERVICE_S = 0.27
-PRIOR_OVERHEAD_S = 0.1
+PRIOR_SERVICE_S = 0.16
+PRIOR_OVERHEAD_S = 0.076
 
 
 @dataclass(frozen=True)
