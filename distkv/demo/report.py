@@ -226,14 +226,15 @@ def summarize(
     }
 
 
-def ratios(arms: Mapping[str, Mapping[str, Any]], arm: str, baseline: str) -> dict[str, float] | None:
-    """`arm`'s TTFT p50 and p99 and cross-node bytes over `baseline`'s; None unless both ran."""
+def ratios(arms: Mapping[str, Mapping[str, Any]], arm: str, baseline: str) -> dict[str, float | None] | None:
+    """`arm`'s TTFT p50 and p99 and cross-node bytes over `baseline`'s; None unless both ran
+    (the cross-node bytes: None where the baseline moved none, a ratio of nothing)."""
     if arm not in arms or baseline not in arms:
         return None
     a, b = arms[arm], arms[baseline]
     out = {p: a["ttft_s"][p] / b["ttft_s"][p] if b["ttft_s"][p] else 0.0 for p in ("p50", "p99")}
     cross = b["transfers"]["cross_node_promotion"]["bytes"]
-    out["cross_node_bytes"] = a["transfers"]["cross_node_promotion"]["bytes"] / cross if cross else 0.0
+    out["cross_node_bytes"] = a["transfers"]["cross_node_promotion"]["bytes"] / cross if cross else None
     return out
 
 

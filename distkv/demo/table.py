@@ -52,9 +52,10 @@ def format_table(s: Mapping[str, Any]) -> str:
     for baseline in ("distkv", "affinity", "off"):
         r = ratios(arms, "distkv-router", baseline)
         if r is not None:
+            cross = r["cross_node_bytes"]
             lines.append(
-                f"  distkv + its router vs {ARMS[baseline].label}: TTFT p50 {r['p50']:.2f}x, p99 {r['p99']:.2f}x, "
-                f"cross-node bytes {r['cross_node_bytes']:.2f}x"
+                f"  distkv + its router vs {ARMS[baseline].label}: TTFT p50 {r['p50']:.2f}x, p99 {r['p99']:.2f}x"
+                + (f", cross-node bytes {cross:.2f}x" if cross is not None else "")
             )
     lines += [
         "",

@@ -80,6 +80,9 @@ def test_an_arms_figures_add_up_its_warm_up_left_out_and_render():
     assert arm["tail"]["all"]["queue_s"] == pytest.approx((0.01 + 0.03) / 2)
     assert (s["blocks_verified"], s["mismatches"]) == (2, 0)
     assert arm["first_tokens_as_offloading_off"] == 2
-    assert ratios(s["arms"], "distkv-router", "off")["p50"] == pytest.approx(0.05 / 0.03)
+    versus_off = ratios(s["arms"], "distkv-router", "off")
+    assert versus_off["p50"] == pytest.approx(0.05 / 0.03)
+    assert versus_off["cross_node_bytes"] is None  # offloading off moved nothing: no ratio
     table = format_table(s)
     assert "from another node" in table and "mismatches 0" in table and "distkv + its router vs offloading off" in table
+    assert "cross-node bytes" not in table.split("distkv + its router vs offloading off")[1].splitlines()[0]
