@@ -215,6 +215,8 @@ def main() -> int:
                 docs.setdefault(trace, []).append({**run_demo(trace, arms, demo_args), "arm_order": arms})
                 print(f"run {run + 1}/{args.runs} {trace} ({', '.join(arms)}): {time.perf_counter() - started:.0f} s",
                       file=sys.stderr, flush=True)
+                if args.json:  # what ran so far survives a run that fails
+                    Path(args.json).write_text(json.dumps({"documents": docs}, indent=2))
         figures = {**summarize(docs), "documents": docs}
         print_table(figures)
     if args.json:

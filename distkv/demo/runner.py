@@ -323,11 +323,6 @@ class Demo:
         progress.finish()
         report_router(_request_router(handle))
         handle.shutdown()  # its router stops following the deployment
-        if arm.name == "affinity":  # Ray's prefix-affinity router keeps its prefix tree in a detached actor
-            try:
-                ray.kill(ray.get_actor("LlmPrefixTreeActor", namespace=f"serve::{APP}::{DEPLOYMENT}"), no_restart=True)
-            except ValueError:
-                pass
 
     async def _warm_up(self, handle: Any, warmed: Callable[[dict[str, Any]], None]) -> None:
         """A window of random prompts, which share no block with the trace, so that no
@@ -337,7 +332,12 @@ class Demo:
         prompts = [
             rng.integers(0, self.model.vocab_size, self.max_prompt_tokens // 2).tolist() for _ in range(self.window)
         ]
-        for result in await asyncio.gather(*(handle.remote(DemoRequest(p)) for p in prompts)):
+        answers = asyncio.gather(*(handle.remote(DemoRequest(p)) for p in prompts))
+        try:
+            results = await asyncio.wait_for(answers, REQUEST_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            raise TimeoutError(f"the warm-up's requests were not answered in {REQUEST_TIMEOUT_S:.0f} s") from None
+        for result in results:
             warmed(result)
 
     async def _send(self, handle: Any, trace: list[Request], on_result: Callable, progress: "Progress") -> None:
@@ -415,6 +415,12 @@ class Demo:
             except Exception as e:  # what is left is the cluster's to reclaim
                 print(f"distkv demo: the Serve application did not shut down cleanly: {e}", file=sys.stderr)
         self._forget_namespaces()
+        # Ray's prefix-affinity router keeps its prefix tree in a detached actor, which the
+        # router calls as the application's replicas go: killed only once they are gone
+        try:
+            ray.kill(ray.get_actor("LlmPrefixTreeActor", namespace=f"serve::{APP}::{DEPLOYMENT}"), no_restart=True)
+        except ValueError:  # no affinity arm ran
+            pass
         for node_id in self.node_ids:
             name = agent_name(node_id)
             if name not in self._agents_before and name in self._named_actors():
