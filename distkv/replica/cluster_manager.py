@@ -212,8 +212,7 @@ class ClusterOffloadingManager(OffloadingManager):
         return False
 
     def promote(self, key: OffloadKey, req_context: ReqContext) -> bool:
-        """Start promoting `key`, absent here, for the request of `req_context`: whether it
-        started (its block is in flight until it ends). One that cannot start is a miss."""
+        """Start promoting `key`, absent here, for `req_context`'s request: whether it started (a miss if not)."""
         holders = self._view.get(key)
         if holders and key not in self._blocks and self._promote(key, holders, req_context) is RETRY:
             return True
@@ -280,6 +279,7 @@ class ClusterOffloadingManager(OffloadingManager):
     def request_finished(self, req_context: ReqContext) -> None:
         """The request ended: the blocks it found are no longer protected for it."""
         self._scans.admitted(req_context.req_id)
+        self.pulls.request_finished()
 
     def on_reset_flushed(self) -> None:
         """The jobs in flight at the last reset_cache ended: their rows are free (abandoned promotions' later)."""

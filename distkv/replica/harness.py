@@ -115,8 +115,10 @@ class Replica:
         self._end_step = getattr(self.manager, "end_step", None)  # the cluster manager's; the local one has none
         if self._end_step is not None:
             self.manager.expect_step_ends()
-        # the cluster manager's, called as vLLM's on_new_request: reads a router's answer
+        # the cluster manager's, called as vLLM's on_new_request (reads a router's answer) and
+        # on_request_finished
         self._request_started = getattr(self.manager, "request_started", None)
+        self._request_finished = getattr(self.manager, "request_finished", None)
         self._free_gpu = list(range(num_gpu_blocks))
         self._jobs = itertools.count()
         self._requests = itertools.count()
@@ -167,6 +169,8 @@ class Replica:
             self.manager.touch(keys, ctx)
         finally:
             self._free_gpu.extend(gpu.tolist())
+            if self._request_finished is not None:
+                self._request_finished(ctx)
         return RequestResult(
             len(keys), hits, stored, retries, load_failures, mismatches, first_token_s, load_s,
             admitted - arrived if retries else 0.0, done - computing, output,

@@ -41,10 +41,13 @@ class RequestPulls:
         self._positions = positions
         self.routed = dict.fromkeys(ROUTED_KINDS, 0)  # routed requests, by what they found here
         self.any_routed = False  # whether a request came with its router's answer yet
+        self._requests = 0  # started and not finished
+        self._idle_since_step = True  # whether no request was in flight at some point since the last step end
 
     def request_started(self, req_context: ReqContext) -> None:
         """A request arrived: keep the Directory's answer its router sent with it, if any
         (`kv_transfer_params["distkv"]`), in its state for its lookups."""
+        self._requests += 1
         params, own = getattr(req_context, "kv_transfer_params", None), self._link.info.replica_id
         answer = decode(params[PARAMS_KEY], self._link.namespace) if params and PARAMS_KEY in params else False
         if answer is None:
@@ -85,8 +88,15 @@ class RequestPulls:
         """The promotions of `keys` (all if None) were abandoned: their pulls are not measured."""
         self.gate.forget_pulls(keys)
 
+    def request_finished(self) -> None:
+        self._requests = max(self._requests - 1, 0)
+        if not self._requests:
+            self._idle_since_step = True
+
     def step_ended(self, now: float) -> None:
-        self.gate.step_ended(now)
+        """The engine's step ended: a step for the gate if a request was in flight throughout."""
+        self.gate.step_ended(now, busy=not self._idle_since_step)
+        self._idle_since_step = not self._requests
 
     def counts(self) -> RoutingCounts:
         return RoutingCounts(dict(self.routed), dict(self.gate.allowed), dict(self.gate.skipped))

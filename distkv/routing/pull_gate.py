@@ -32,8 +32,8 @@ PATHS = ("same_node", "cross_node")
 DECAY = 0.95
 # A refused path pulls anyway once per this many refusals, to measure it again.
 EXPLORE_EVERY = 16
-# A step interval is clipped to [1/STEP_CLIP, STEP_CLIP] x the estimate before it counts:
-# the interval across an idle engine is not a step.
+# A step interval is clipped to [1/STEP_CLIP, STEP_CLIP] x the estimate before it counts,
+# so that one outlier moves it little.
 STEP_CLIP = 4.0
 
 
@@ -168,9 +168,12 @@ class PullGate:
             for key in keys:
                 self._pulls.pop(key, None)
 
-    def step_ended(self, now: float) -> None:
-        """The engine's step ended at `now` (time.monotonic())."""
-        if self._step_ended_at is not None:
+    def step_ended(self, now: float, busy: bool = True) -> None:
+        """The engine's step ended at `now` (time.monotonic()); `busy`: whether it had a
+        request in flight throughout since the step before. The interval across an idle
+        engine is not a step (a relative clip alone lets repeated idle gaps ratchet the
+        estimate up, to over a second in a demo run)."""
+        if busy and self._step_ended_at is not None:
             self.observe_step(now - self._step_ended_at)
         self._step_ended_at = now
 

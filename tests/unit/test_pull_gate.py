@@ -87,6 +87,35 @@ def test_an_idle_gap_between_steps_is_not_a_step():
         gate.should_pull("sideways", 1)
 
 
+def test_a_step_counts_only_while_a_request_is_in_flight():
+    """An engine that serves one request at a time steps a few times per request, then sits
+    idle until the next: intervals across the idle time are not steps, however many."""
+    from types import SimpleNamespace
+
+    from distkv.abstract import ReqContext
+    from distkv.observability.errors import ErrorLog
+    from distkv.replica.pulls import RequestPulls
+
+    link = SimpleNamespace(info=SimpleNamespace(replica_id="r", node_id="n"), namespace="ns")
+    pulls = RequestPulls(link, PullGate(), ErrorLog())
+    now = 0.0
+    for i in range(50):
+        pulls.request_started(ReqContext(f"req-{i}"))
+        for _ in range(3):  # three steps of 5 ms
+            pulls.step_ended(now)
+            now += 5 * MS
+        pulls.request_finished()
+        now += 1.0  # idle for a second
+    assert pulls.gate.step_s == pytest.approx(5 * MS)
+    # two requests overlapping: the engine is never idle, every interval is a step
+    pulls.request_started(ReqContext("a"))
+    pulls.step_ended(now)
+    pulls.request_started(ReqContext("b"))
+    pulls.request_finished()
+    pulls.step_ended(now + 8 * MS)
+    assert pulls.gate.step_s > 5 * MS
+
+
 def short_prefix(tokens, blocks):
     """A prompt sharing its first `blocks` blocks with `tokens`, then of its own."""
     other = prompt(99, blocks=8)
