@@ -168,7 +168,7 @@ class PullGate:
             for key in keys:
                 self._pulls.pop(key, None)
 
-    def step_ended(self, now: float, busy: bool = True) -> None:
+    def step_ended(self, now: float, busy: bool) -> None:
         """The engine's step ended at `now` (time.monotonic()); `busy`: whether it had a
         request in flight throughout since the step before. The interval across an idle
         engine is not a step (a relative clip alone lets repeated idle gaps ratchet the

@@ -58,15 +58,13 @@ class WorkAhead:
         """Seconds a request sent to `replica` at `now` is expected to wait before its own
         compute; `queue_len`, Serve's count of the requests it has in flight."""
         sent = self._sent.get(replica)
-        if sent:
-            while sent and now - sent[0].sent_at > FORGET_S:
-                sent.popleft()
+        while sent and now - sent[0].sent_at > FORGET_S:
+            sent.popleft()
         if not sent:
             return max(queue_len, 0) * self.service_s
         work = sum(s.compute_s for s in sent) + len(sent) * self.overhead_s
         head = sent[0]
-        started = max(head.sent_at, self._done_at.get(replica, head.sent_at))
-        work -= min(max(now - started, 0.0), head.compute_s + self.overhead_s)
+        work -= min(max(now - self._could_start(replica, head), 0.0), head.compute_s + self.overhead_s)
         return work + max(queue_len - len(sent), 0) * self.service_s
 
     def sent(self, replica: Hashable, request: Hashable, compute_s: float, now: float) -> None:
@@ -84,13 +82,16 @@ class WorkAhead:
         if found is None:
             return
         sent.remove(found)
-        started = max(found.sent_at, self._done_at.get(replica, found.sent_at))
+        service = now - self._could_start(replica, found)
         self._done_at[replica] = now
-        service = now - started
         if not (service >= 0 and math.isfinite(service)):
             return
         self.service_s = DECAY * self.service_s + (1 - DECAY) * service
         self.overhead_s = DECAY * self.overhead_s + (1 - DECAY) * max(service - found.compute_s, 0.0)
+
+    def _could_start(self, replica: Hashable, s: _Sent) -> float:
+        """When `s` could start on `replica`: when sent, or at the replica's last completion."""
+        return max(s.sent_at, self._done_at.get(replica, s.sent_at))
 
     def forget(self, replicas: set[Hashable]) -> None:
         """Drop what is kept of replicas other than `replicas` (those gone)."""
