@@ -63,9 +63,12 @@ class Verifier:
 
 
 class ArmTally:
-    """The totals of one arm, from each request's result as it arrives."""
+    """The totals of one arm of `replicas` replicas, from each request's result as it arrives."""
 
-    def __init__(self, block_tokens: int, block_bytes: int) -> None:
+    def __init__(self, block_tokens: int, block_bytes: int, replicas: int) -> None:
+        if replicas < 1:
+            raise ValueError(f"an arm needs at least one replica, not {replicas}")
+        self.replicas = replicas
         self.block_tokens = block_tokens
         self.block_bytes = block_bytes
         self.prompt_tokens = 0
@@ -138,7 +141,8 @@ class ArmTally:
                 for path in ("same_node", "cross_node")
             },
         }
-        counts = list(self.by_replica.values())
+        # over every replica, those the router sent nothing included
+        most, mean = max(self.by_replica.values(), default=0), len(self.requests) / self.replicas
         return {
             "requests": len(self.requests),
             "prompt_tokens": self.prompt_tokens,
@@ -152,9 +156,9 @@ class ArmTally:
                 for t in BLOCK_TRANSPORTS
             },
             "requests_per_replica": {
-                "max": max(counts, default=0),
-                "mean": float(np.mean(counts)) if counts else 0.0,
-                "max_over_mean": max(counts) / float(np.mean(counts)) if counts else 0.0,
+                "max": most,
+                "mean": mean,
+                "max_over_mean": most / mean if mean else 0.0,
             },
             "tail": self._tail(),
             "pull_gate": {

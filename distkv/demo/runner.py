@@ -134,7 +134,7 @@ def run(args: argparse.Namespace) -> int:
         )
         for arm in arms:
             t = time.perf_counter()
-            tally = tallies[arm.name] = ArmTally(args.block_tokens, block_bytes)
+            tally = tallies[arm.name] = ArmTally(args.block_tokens, block_bytes, args.replicas)
 
             def add(i: int, result: dict[str, Any], client_ttft_s: float, arm: Arm = arm, tally: ArmTally = tally) -> None:
                 tally.add(result, client_ttft_s)

@@ -52,13 +52,25 @@ def test_loaded_blocks_must_match_a_digest_recorded_for_their_key():
     assert verifier.same_first_tokens("distkv") is None  # no offloading-off arm to compare with
 
 
+def test_requests_per_replica_count_the_replicas_the_router_sent_nothing():
+    tally = ArmTally(BLOCK_TOKENS, BLOCK_BYTES, replicas=2)
+    for _ in range(4):
+        tally.add(result("a", 40, none(), [], []), 0.02)
+    assert tally.summary(0)["requests_per_replica"] == {"max": 4, "mean": 2.0, "max_over_mean": 2.0}
+
+
+def test_an_arm_without_replicas_is_refused():
+    with pytest.raises(ValueError, match="at least one replica"):
+        ArmTally(BLOCK_TOKENS, BLOCK_BYTES, replicas=0)
+
+
 def test_an_arms_figures_add_up_its_warm_up_left_out_and_render():
-    verifier, arms = Verifier(), {"off": ArmTally(BLOCK_TOKENS, BLOCK_BYTES)}
+    verifier, arms = Verifier(), {"off": ArmTally(BLOCK_TOKENS, BLOCK_BYTES, replicas=2)}
     for i in range(2):
         r = result("a", 40, none(), [], [], ttft=0.02)
         arms["off"].add(r, 0.03)
         verifier.add("off", i, r)
-    tally = arms["distkv-router"] = ArmTally(BLOCK_TOKENS, BLOCK_BYTES)
+    tally = arms["distkv-router"] = ArmTally(BLOCK_TOKENS, BLOCK_BYTES, replicas=2)
     tally.warmed(result("b", 40, none(), [], [], stats=stats(cross_node_bytes=BLOCK_BYTES, holder=3)))
     first = result("a", 40, none(), [], [(b"k1", 1), (b"k2", 2)], stats=stats(holder=1))
     second = result("b", 40, none(same_node=1, cross_node=1), [(b"k1", 1), (b"k2", 2)], [], ttft=0.05,
