@@ -89,6 +89,22 @@ def wait_seen(b, keys: list[bytes]) -> None:
         time.sleep(0.05)
 
 
+def wait_exited(pid: int) -> None:
+    """Until process `pid` is gone or a zombie: its memory is released, so no read reaches it.
+    (`ray.kill` returns before the actor's process has exited.)"""
+    deadline = time.monotonic() + 60  # only keeps a kill that never lands from hanging the suite
+    while True:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
+        except FileNotFoundError:
+            return
+        if state in ("Z", "X"):
+            return
+        assert time.monotonic() < deadline, f"A's process {pid} still runs after it was killed"
+        time.sleep(0.05)
+
+
 def test_b_on_another_node_loads_a_prefix_a_computed_and_the_holder_dies(engines):
     transport, (a, b) = engines
     assert ray.get(a.namespace.remote()) == ray.get(b.namespace.remote())
@@ -109,7 +125,9 @@ def test_b_on_another_node_loads_a_prefix_a_computed_and_the_holder_dies(engines
 
     if transport != "nixl":
         return  # through the object store a dead replica's rows are still served: its segment outlives it
+    pid = ray.get(a.pid.remote())
     ray.kill(a, no_restart=True)
+    wait_exited(pid)
     # The Directory drops a silent replica's holders after its heartbeat timeout: B's view
     # still names A as the holder of the second prefix, so B's tier takes it for a hit.
     assert ray.get(b.sees.remote(stored)), "the Directory dropped A before B asked"
