@@ -24,6 +24,7 @@ from distkv.abstract import (
     ReqContext,
 )
 from distkv.directory.link import DirectoryLink
+from distkv.directory.records import Holder
 from distkv.observability.errors import ErrorLog
 from distkv.observability.stats import Observations, ReplicaStats
 from distkv.replica.epochs import CacheEpoch
@@ -135,9 +136,8 @@ class ClusterOffloadingManager(OffloadingManager):
         self.epoch = CacheEpoch(link.info, link.replica)
         self._loads = LoadSources()
         self.blocks_loaded = self._loads.loaded  # blocks handed to loads, by where they came from
-        # Counts for `replica_stats`; a lookup that starts a promotion counts when it ends.
-        # Floats (exact to 2**53): CPython reuses freed floats, while each int past 256 is
-        # a new allocation, on the hot path (docs/benchmarks.md).
+        # Counts for `replica_stats` (a lookup that starts a promotion counts when it ends). Floats,
+        # exact to 2**53: CPython reuses freed floats, each int past 256 is an allocation (docs/benchmarks.md).
         self.lookups_local_hit = self.lookups_remote_hit = self.lookups_miss = self.lookups_retry = 0.0
         self._promoted_stored = 0  # blocks the local manager stored for promotions
         self.stores_rejected = 0
@@ -203,10 +203,11 @@ class ClusterOffloadingManager(OffloadingManager):
         self.lookups_miss += 1.0  # its promotion just failed
         return MISS
 
-    def promotable(self, key: OffloadKey) -> bool:
-        """For an owner that promotes on load (the tier): whether `key`, held elsewhere, can be
-        promoted (held in this epoch, not failed lately). A miss counts now, a hit at `promote`'s end."""
-        if self.epoch.in_epoch(self._view.get(key, ())) and not self._inflight.failed_until(key, time.monotonic()):
+    def promotable(self, key: OffloadKey, holders: Collection[Holder]) -> bool:
+        """For an owner that promotes on load (the tier): whether `key`, held by `holders`, can be
+        promoted (in this epoch, not failed lately). A miss counts now, a hit at `promote`'s end."""
+        inflight = self._inflight  # no clock read while no promotion failed lately (the common case)
+        if self.epoch.in_epoch(holders) and not (inflight.failed and inflight.failed_until(key, time.monotonic())):
             return True
         self.lookups_miss += 1.0
         return False

@@ -95,6 +95,7 @@ class ClusterTier:
         self.cluster = cluster
         self._pool = pool
         self._blocks = cluster.local.blocks
+        self._view = cluster.link.view
         self._copies = ChunkCopier(pool, primary)
         self._jobs: dict[int, _Job] = {}
         # keys whose blocks are in flight here (a store, a promotion) -> the loads waiting
@@ -111,14 +112,13 @@ class ClusterTier:
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
         """The cluster manager's lookup_result, except that a chunk only other replicas hold is
         a HIT that starts nothing (its load promotes it), or a MISS if it cannot be promoted."""
-        cluster = self.cluster
         try:
-            elsewhere = key in cluster.link.view and key not in cluster.local.blocks
+            holders = self._view.get(key) if key not in self._blocks else None
         except TypeError:  # unhashable: lookup_result names the bad key
-            elsewhere = False
-        if not elsewhere:
-            return TIER_ANSWERS[cluster.lookup_result(key, req_context)]
-        return HIT if cluster.promotable(key) else MISS
+            holders = None
+        if holders is None:
+            return TIER_ANSWERS[self.cluster.lookup_result(key, req_context)]
+        return HIT if self.cluster.promotable(key, holders) else MISS
 
     def submit_store(self, job_id: int, keys: Sequence[OffloadKey], chunks: Sequence[int], req_context: ReqContext) -> None:
         """Copy the chunks of `keys` this pool does not hold into rows, sealed, then publish them."""

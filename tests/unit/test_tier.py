@@ -272,6 +272,7 @@ def test_a_request_its_router_sent_an_answer_with_promotes_what_it_names_and_mis
     b.link = QueriedLink(directory, b.link.info)
     cluster = b.tier.cluster
     cluster.link, cluster._view = b.link, b.link.view  # b queries instead of following
+    b.tier._view = b.link.view  # the tier reads the same view
     cold = b"cold-0000"  # of the held key's group, as a prompt's keys are
     holders = [list(directory.holders[held].values()), []]
     answer = from_directory(b.link.namespace, [held, cold], holders)
