@@ -212,10 +212,11 @@ def populated_handle(make_handle: Callable[[], Any], wait_s: float, timeout_s: f
 
     In Ray 2.60 a new handle's router learns the replicas from a long poll of its own, which
     the process's shared long poll stops as soon as it delivers the router any update of the
-    deployment. An update of the deployment's config alone, still on its way from the arm's
-    `serve.run`, stops it before the replicas came: the router then waits for them until they
-    next change, and every request sent through it waits as long (Serve's router.py,
-    `SharedRouterLongPollClient`). A handle made once that update came and went gets them.
+    deployment (Serve's router.py, `SharedRouterLongPollClient`), and a stopped poll drops
+    what it then receives. An update of the config alone, on its way from the arm's
+    `serve.run`, can so stop it before the replicas came: the router then waits for them until
+    they next change, and every request sent through it waits as long. A handle made after
+    that update came and went gets them.
     """
     deadline = time.monotonic() + timeout_s
     while True:
