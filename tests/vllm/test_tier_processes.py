@@ -105,6 +105,12 @@ def wait_exited(pid: int) -> None:
         time.sleep(0.05)
 
 
+def vllm_regions(pid: int) -> list[str]:
+    """The files of vLLM's CPU-tier regions that process `pid` maps."""
+    with open(f"/proc/{pid}/maps") as f:
+        return sorted({line.split()[-1] for line in f if "/vllm_offload_" in line})
+
+
 def test_b_on_another_node_loads_a_prefix_a_computed_and_the_holder_dies(engines):
     transport, (a, b) = engines
     assert ray.get(a.namespace.remote()) == ray.get(b.namespace.remote())
@@ -126,8 +132,11 @@ def test_b_on_another_node_loads_a_prefix_a_computed_and_the_holder_dies(engines
     if transport != "nixl":
         return  # through the object store a dead replica's rows are still served: its segment outlives it
     pid = ray.get(a.pid.remote())
+    regions = vllm_regions(pid)
     ray.kill(a, no_restart=True)
     wait_exited(pid)
+    for path in regions:  # vLLM removes its region at shutdown only: a killed replica's outlives it
+        os.unlink(path)
     # The Directory drops a silent replica's holders after its heartbeat timeout: B's view
     # still names A as the holder of the second prefix, so B's tier takes it for a hit.
     assert ray.get(b.sees.remote(stored)), "the Directory dropped A before B asked"
