@@ -21,12 +21,14 @@ Directory keeps a request's prefix on the shard of its first chunk.
 from __future__ import annotations
 
 import hashlib
+import struct
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
-import numpy as np
-
 from distkv.abstract import OffloadKey, make_offload_key
+
+# the group bytes of a seed engine's keys (`make_offload_key(hash, 0)`)
+_GROUP_0 = make_offload_key(b"", 0)
 
 
 class PromptKeys(Protocol):
@@ -51,12 +53,15 @@ class SeedKeys:
         """`distkv.replica.harness.block_keys`, hashing slices of one buffer instead of one array each."""
         if cache_salt:
             raise ValueError("distkv's seed engines have no cache_salt")
-        data = np.asarray(token_ids, dtype=np.int64).tobytes()
+        try:  # the bytes of an int64 array in native order, as the harness's numpy array
+            data = struct.pack(f"={len(token_ids)}q", *token_ids)
+        except struct.error as e:  # a token that is no int64
+            raise ValueError(f"token ids: {e}") from None
         step = self.block_tokens * 8
-        keys, parent, sha256 = [], b"", hashlib.sha256
+        keys, parent, sha256, group = [], b"", hashlib.sha256, _GROUP_0
         for start in range(0, len(data) - step + 1, step):
             parent = sha256(parent + data[start : start + step]).digest()
-            keys.append(make_offload_key(parent, 0))
+            keys.append(OffloadKey(parent + group))
         return keys
 
     def scheme(self) -> dict[str, Any]:

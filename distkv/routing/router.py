@@ -41,6 +41,9 @@ STATS_KEY = "distkv"
 QUERY_DEADLINE_S = 0.05
 # requests whose answer is kept (for the retries of their routing) at most
 MAX_REQUESTS = 4096
+# routing stats entries whose identity is kept at most (a few per replica: Serve sends new
+# stats every request_routing_stats_period_s)
+MAX_IDENTITIES = 1024
 FALLBACKS = ("no_tokens", "no_identity", "no_keys", "deadline", "directory_error")
 
 # ask(namespace, num_shards, shard, keys) -> the holders of each key, as the shard answers them
@@ -91,12 +94,27 @@ class RouterCore:
         self.query_s: collections.deque[float] = collections.deque(maxlen=4096)
         self._answers: collections.OrderedDict[Any, tuple[RoutedAnswer, int]] = collections.OrderedDict()
         self._schemes: dict[tuple, PromptKeys] = {}
+        # id(stats entry) -> (the entry, its identity): Serve hands the router new stats
+        # objects when a replica's change and the same ones until then, so an identity is
+        # read once per update, not once per candidate per request (the entry is kept, so
+        # its id is not reused while cached)
+        self._identities: dict[int, tuple[Mapping, Identity | None]] = {}
 
     def identity(self, stats: Mapping[str, Any] | None) -> Identity | None:
         """The identity a replica's routing stats give; None if they give none (yet)."""
         entry = stats.get(STATS_KEY) if stats else None
         if not isinstance(entry, Mapping):
             return None
+        cached = self._identities.get(id(entry))
+        if cached is not None and cached[0] is entry:
+            return cached[1]
+        if len(self._identities) >= MAX_IDENTITIES:
+            self._identities.clear()
+        identity = self._read_identity(entry)
+        self._identities[id(entry)] = (entry, identity)
+        return identity
+
+    def _read_identity(self, entry: Mapping[str, Any]) -> Identity | None:
         try:
             scheme = tuple(sorted(entry["keys"].items()))
             keys = self._schemes.get(scheme)
@@ -142,8 +160,11 @@ class RouterCore:
         known = [i for i in identities if i is not None]
         if not known:
             return self._fallback("no_identity", ""), 0
-        namespace = collections.Counter(i.namespace for i in known).most_common(1)[0][0]
-        ident = next(i for i in known if i.namespace == namespace)
+        ident = known[0]
+        if any(i.namespace != ident.namespace for i in known):  # a deployment mid-update: the most common
+            namespace = collections.Counter(i.namespace for i in known).most_common(1)[0][0]
+            ident = next(i for i in known if i.namespace == namespace)
+        namespace = ident.namespace
         if token_ids is None:
             return self._fallback("no_tokens", namespace), 0
         try:

@@ -174,6 +174,37 @@ def test_a_replica_says_who_it_is_and_what_its_gate_measured():
     assert core.identity({}) is None and core.identity({"distkv": {"replica_id": "x"}}) is None
 
 
+def test_a_replicas_stats_are_read_once_until_serve_sends_new_ones():
+    core = RouterCore(Directory().ask)
+    old = stats("a", "node-1")
+    assert core.identity(old) is core.identity(old)
+    new = stats("a", "node-2")  # Serve's next routing stats for the replica: a new object
+    assert core.identity(new).node_id == "node-2" and core.identity(old).node_id == "node-1"
+
+
+def test_the_seed_keys_refuse_a_token_that_is_no_int64():
+    with pytest.raises(ValueError, match="token ids"):
+        SeedKeys(BLOCK_TOKENS).keys([1.5] * BLOCK_TOKENS)
+    with pytest.raises(ValueError, match="token ids"):
+        SeedKeys(BLOCK_TOKENS).keys([1 << 63] * BLOCK_TOKENS)
+
+
+def test_candidates_of_two_namespaces_are_asked_about_in_the_most_common():
+    def in_namespace(replica_id, namespace):
+        entry = dict(stats(replica_id, "node-1")["distkv"], namespace=namespace)
+        return core.identity({"distkv": entry})
+
+    async def run():
+        directory.answer([[] for _ in KEYS])
+        return await core.answer("req", TOKENS, None, identities)
+
+    directory = Directory()
+    core = RouterCore(directory.ask)
+    identities = [in_namespace("a", "old"), in_namespace("b", "new"), in_namespace("c", "new")]
+    answer, _ = asyncio.run(run())
+    assert answer.namespace == "new" and [asked[0] for asked in directory.asked] == ["new"]
+
+
 def test_one_query_per_request_to_the_shard_of_its_first_block():
     async def run():
         directory = Directory()
