@@ -94,8 +94,8 @@ class RouterCore:
         self.query_s: collections.deque[float] = collections.deque(maxlen=4096)
         self._answers: collections.OrderedDict[Any, tuple[RoutedAnswer, int]] = collections.OrderedDict()
         self._schemes: dict[tuple, PromptKeys] = {}
-        # id(stats entry) -> (the entry, its identity): Serve hands the router new stats
-        # objects when a replica's change and the same ones until then, so an identity is
+        # id(stats entry) -> (the entry, its identity): Serve hands the router a new stats
+        # object when a replica's stats change and the same one until then, so an identity is
         # read once per update, not once per candidate per request (the entry is kept, so
         # its id is not reused while cached)
         self._identities: dict[int, tuple[Mapping, Identity | None]] = {}
