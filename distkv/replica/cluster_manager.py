@@ -38,6 +38,7 @@ from distkv.routing.answer import RoutedAnswer
 from distkv.routing.pull_gate import PullGate
 from distkv.storage.keys import MIN_KEY_BYTES, key_problem
 from distkv.storage.slots import MAX_KEY_BYTES
+from distkv.transfer.landing import Landing
 from distkv.transfer.promotion import Promoter, Promotion
 
 # The answers as globals: one cached load each on the hot path, where `LookupResult.HIT`
@@ -81,17 +82,12 @@ class _Announcements:
 class ClusterOffloadingManager(OffloadingManager):
     """The seed OffloadingManager of one replica in a cluster.
 
-    Owns the replica's LocalOffloadingManager (`local`: `num_rows` rows, evicting by
-    `policy`, generations from `generations`), which it builds and uses through its API
-    only, and adds what other replicas hold: lookup_result of a key absent here but held
-    elsewhere (per the link's view) reserves a local row and starts a promotion (RETRY
-    until the block is local, then HIT, or MISS once the promotion failed); every block
-    the local manager stores or lets go is announced to the Directory as it happens (its
-    sink). Nothing here waits on the network: the view is an in-process dict, promotions
-    and publishing run on background threads, and their results are applied on the
-    scheduler's thread at its next call. Where the view is queried, a key missing from
-    both the pool and the view is asked about (`DirectoryLink.ask`) and answers RETRY
-    until the answer is in; `end_step` has the step's questions sent at once.
+    Owns the replica's LocalOffloadingManager (`local`: `num_rows` rows, evicting by `policy`),
+    used through its API only, and adds what other replicas hold: a key held elsewhere (per the
+    link's view) is promoted into a row reserved here (RETRY until local, then HIT, or MISS once
+    it failed), or into its owner's chunk for the tier (`promote_into`, `landed`). What `local`
+    stores or lets go is announced to the Directory. Nothing waits on the network: promotions and
+    publishing run on threads; a key in neither pool nor a queried view is RETRY until answered.
     """
 
     def __init__(
@@ -136,8 +132,7 @@ class ClusterOffloadingManager(OffloadingManager):
         self.epoch = CacheEpoch(link.info, link.replica)
         self._loads = LoadSources()
         self.blocks_loaded = self._loads.loaded  # blocks handed to loads, by where they came from
-        # Counts for `replica_stats` (a lookup that starts a promotion counts when it ends). Floats,
-        # exact to 2**53: CPython reuses freed floats, each int past 256 is an allocation (docs/benchmarks.md).
+        # Counts for `replica_stats` (a promotion's when it ends); floats: an int past 256 allocates (benchmarks.md).
         self.lookups_local_hit = self.lookups_remote_hit = self.lookups_miss = self.lookups_retry = 0.0
         self._promoted_stored = 0  # blocks the local manager stored for promotions
         self.stores_rejected = 0
@@ -205,20 +200,31 @@ class ClusterOffloadingManager(OffloadingManager):
 
     def promotable(self, key: OffloadKey, holders: Collection[Holder]) -> bool:
         """For an owner that promotes on load (the tier): whether `key`, held by `holders`, can be
-        promoted (in this epoch, not failed lately). A miss counts now, a hit at `promote`'s end."""
+        promoted (in this epoch, not failed lately). A miss counts now, a hit once `landed`."""
         inflight = self._inflight  # no clock read while no promotion failed lately (the common case)
         if self.epoch.in_epoch(holders) and not (inflight.failed and inflight.failed_until(key, time.monotonic())):
             return True
         self.lookups_miss += 1.0
         return False
 
-    def promote(self, key: OffloadKey, req_context: ReqContext) -> bool:
-        """Start promoting `key`, absent here, for `req_context`'s request: whether it started (a miss if not)."""
+    def promote_into(self, key: OffloadKey, req_context: ReqContext, into: Landing, row: int) -> bool:
+        """Start promoting `key` into row `row` of `into` (its owner's until `landed`): whether it did."""
         holders = self._view.get(key)
-        if holders and key not in self._blocks and self._promote(key, holders, req_context) is RETRY:
+        if holders and self._promote(key, holders, req_context, into, row) is RETRY:
             return True
         self.lookups_miss += 1.0
         return False
+
+    def landed(self) -> list[tuple[int, bool]]:
+        """(row, success) of the promotions `promote_into` started that ended since the last call."""
+        finished, now = self.promoter.finished_into(), time.monotonic()
+        self.pulls.ended(((key, ok, same) for key, _, ok, same in finished), now)
+        failed = [key for key, _, ok, _ in finished if not ok]
+        self._loads.landed(same for _, _, ok, same in finished if ok)
+        self.lookups_remote_hit += len(finished) - len(failed)
+        self.lookups_miss += len(failed)
+        self._inflight.fail(failed, now)
+        return [(row, ok) for _, row, ok, _ in finished]
 
     def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> LoadStoreSpec:
         spec = self.local.prepare_load(keys, req_context)
@@ -256,8 +262,7 @@ class ClusterOffloadingManager(OffloadingManager):
         return events
 
     def reset_cache(self) -> None:
-        # Running promotions keep writing their reserved rows: abandoned, their rows stay
-        # retired until the Promoter reports them. No waiting on the scheduler's thread.
+        # Running promotions keep writing their rows: abandoned, retired until reported. No waiting.
         self._inflight.abandon_all()
         self.pulls.abandoned()
         self.local.reset_cache()  # the removals go out under the old epoch's id
@@ -294,10 +299,6 @@ class ClusterOffloadingManager(OffloadingManager):
         self.closed = True
 
     @property
-    def cache_epoch(self) -> int:
-        return self.epoch.epoch
-
-    @property
     def blocks_stored(self) -> int:  # the engine's: the promoter counts promoted blocks
         return self.local.blocks_stored - self._promoted_stored
 
@@ -315,27 +316,27 @@ class ClusterOffloadingManager(OffloadingManager):
 
     # ---- promotion -------------------------------------------------------------------
 
-    def _promote(self, key: OffloadKey, holders, req_context: ReqContext) -> LookupResult:
+    def _promote(self, key: OffloadKey, holders, req_context: ReqContext, into: Landing | None = None, row: int = 0) -> LookupResult:
         """The one place that decides whether `key`, held by `holders`, is promoted for the
-        request of `req_context` (whose prefix places it): RETRY, the promotion started;
-        MISS where it cannot start (a recent failure, no row), and the engine computes it."""
+        request of `req_context` (whose prefix places it), into a row of this pool it
+        reserves, or row `row` of `into`: RETRY, the promotion started; MISS where it cannot
+        start (a recent failure, no row), and the engine computes it."""
         now = time.monotonic()
         if self._inflight.failed_until(key, now):
             return MISS
         if not self.pulls.allowed(key, holders, req_context, self._blocks, self._view):
             return MISS  # recomputing it is expected to be faster
-        out = self.local.prepare_store([key], self._promotion_ctx, spare=self._scans.spares)
-        self._take_local_events()
-        if out is None or not out.keys_to_store:
-            return MISS  # no room: compute it instead
-        if self._num_shards > 1:
-            self._blocks[key].shard = self.placement.shard(key, req_context)
-        spec = out.store_spec
-        deadline = now + self.promotion_timeout_s
-        self._inflight.started(key, deadline)
-        self.promoter.submit(
-            Promotion(key, int(spec.block_ids[0]), int(spec.generations[0]), holders, deadline, cache_epoch=self.epoch.epoch)
-        )
+        deadline, generation = now + self.promotion_timeout_s, 0
+        if into is None:
+            out = self.local.prepare_store([key], self._promotion_ctx, spare=self._scans.spares)
+            self._take_local_events()
+            if out is None or not out.keys_to_store:
+                return MISS  # no room: compute it instead
+            if self._num_shards > 1:
+                self._blocks[key].shard = self.placement.shard(key, req_context)
+            row, generation = int(out.store_spec.block_ids[0]), int(out.store_spec.generations[0])
+            self._inflight.started(key, deadline)
+        self.promoter.submit(Promotion(key, row, generation, holders, deadline, cache_epoch=self.epoch.epoch, into=into))
         self.pulls.submitted(key, req_context, now)
         return RETRY
 

@@ -46,6 +46,11 @@ class LoadSources:
             same_node = promoted.pop(key, None)
             loaded["local" if same_node is None else "same_node" if same_node else "cross_node"] += 1
 
+    def landed(self, same_node: Iterable[bool]) -> None:
+        """Blocks were promoted straight into a load, each from this node or another."""
+        for near in same_node:
+            self.loaded["same_node" if near else "cross_node"] += 1
+
     def removed(self, keys: Iterable[OffloadKey]) -> None:
         """These blocks left the pool."""
         for key in keys:

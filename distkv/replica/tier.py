@@ -9,7 +9,9 @@ primary chunks vLLM reserved. `ClusterTier` does them with a replica's parts:
   decides where a chunk goes and where one comes from;
 - a `ChunkCopier` (distkv.storage.tier_copies) moves the bytes between a primary chunk and a pool
   row of one slot, off the caller's thread: hashed and sealed on a store, through the
-  slot protocol on a load.
+  slot protocol on a load;
+- a `ChunkLanding` (distkv.transfer.landing) over the primary chunks, which promotions from
+  other replicas land in.
 
 store: the rows the manager reserves (chunks held already are skipped, a full pool evicts
 by its policy) are filled from the chunks and sealed, then completed, which publishes them
@@ -17,10 +19,13 @@ to the Directory.
 lookup: the cluster manager's `lookup_result`, and `promotable` for a chunk held elsewhere:
 HIT for a chunk in this pool or held by a replica of the cache epoch, RETRY while a store, a promotion or a Directory query it needs
 is pending, MISS otherwise; the lookup starts nothing and never waits.
-load: a chunk in this pool is pinned and copied; one held elsewhere is first promoted into
-this pool (`ClusterOffloadingManager.promote`: distkv's transports, every slot checked) and
-then copied. A chunk whose promotion fails or times out, or whose copy does not check out,
-is a failed key of its job: its primary chunk is reported not loaded, never used.
+load: a chunk in this pool is pinned and copied; one held elsewhere is promoted straight
+into the job's primary chunk (`ClusterOffloadingManager.promote_into`: distkv's
+transports, every slot checked where it landed), with no copy through this pool, which
+does not keep it: vLLM's primary tier does. A chunk whose promotion fails or times out,
+or whose copy does not check out, is a failed key of its job: its primary chunk is
+reported not loaded, never used. A job's chunk is reported only once nothing writes it
+any more (a promotion's READ that could not be aborted ends first).
 
 Calls come one at a time (vLLM's manager lock), from any thread; the copies and the
 promotions run on threads of their own and report through `finished`.
@@ -39,12 +44,15 @@ from distkv.abstract import LookupResult, OffloadingEvent, OffloadKey, ReqContex
 from distkv.replica.cluster_manager import ClusterOffloadingManager
 from distkv.storage.pool import HostPool
 from distkv.storage.tier_copies import ChunkCopier
+from distkv.transfer.landing import ChunkLanding
 
 logger = logging.getLogger(__name__)
 
 MISS, HIT, RETRY = LookupResult.MISS, LookupResult.HIT, LookupResult.RETRY
 # A tier has three answers: a store of this replica in flight (HIT_PENDING) is a retry.
 TIER_ANSWERS: tuple[LookupResult, ...] = (MISS, HIT, RETRY, RETRY)
+# how often a reset looks again for the promotions into primary chunks it waits for
+DRAIN_POLL_S = 0.005
 
 
 @dataclass(frozen=True)
@@ -97,7 +105,11 @@ class ClusterTier:
         self._blocks = cluster.local.blocks
         self._view = cluster.link.view
         self._copies = ChunkCopier(pool, primary)
+        self._landing = ChunkLanding(primary)
+        cluster.promoter.transport.admit(self._landing)
         self._jobs: dict[int, _Job] = {}
+        # primary chunks being promoted into -> the load waiting: (job, index of the key in the job)
+        self._landing_in: dict[int, tuple[_Job, int]] = {}
         # keys whose blocks are in flight here (a store, a promotion) -> the loads waiting
         # for them: (job, index of the key in the job)
         self._waiting: dict[OffloadKey, list[tuple[_Job, int]]] = {}
@@ -136,8 +148,14 @@ class ClusterTier:
 
     def submit_load(self, job_id: int, keys: Sequence[OffloadKey], chunks: Sequence[int], req_context: ReqContext) -> None:
         """Fill the primary chunks `chunks` with the blocks of `keys`: from this pool, or
-        promoted into it first from the replica holding them."""
+        promoted into them from the replica holding them."""
         self._check_new(job_id, keys, chunks)
+        num_chunks, taken = len(self._landing.chunks), [int(c) for c in chunks]
+        if any(not 0 <= c < num_chunks or c in self._landing_in for c in taken) or len(set(taken)) < len(taken):
+            raise ValueError(
+                f"job {job_id}: chunks {taken} must be distinct chunks of the primary tier's {num_chunks}, "
+                "none being loaded"
+            )
         job = _Job(job_id, list(keys), chunks, req_context)
         if not job.keys:
             self._results.append(job.result())
@@ -147,22 +165,25 @@ class ClusterTier:
         for index, key in enumerate(job.keys):
             block = blocks.get(key)
             if block is None:
-                if not cluster.promote(key, req_context):
+                chunk = job.chunks[index]
+                if cluster.promote_into(key, req_context, self._landing, chunk):
+                    self._landing_in[chunk] = (job, index)
+                else:
                     self._resolve(job, index, False)
-                    continue
-                block = blocks[key]
-            if block.refs < 0:  # its store or promotion is in flight
+            elif block.refs < 0:  # its store or promotion (a router's answer named its holders) is in flight
                 self._waiting.setdefault(key, []).append((job, index))
             else:
                 self._copy_out(job, index)
 
     def finished(self) -> list[TierResult]:
         """The jobs that ended since the last call. Applies what the copies and promotions
-        did meanwhile: stores completed (published), loads unpinned, promoted blocks loaded."""
+        did meanwhile: stores completed (published), loads unpinned, promoted chunks loaded."""
         self._apply_copies()
-        self._events.extend(self.cluster.take_events())  # applies ended promotions
+        self._events.extend(self.cluster.take_events())
         if self._waiting:
-            self._load_landed()
+            self._load_stored()
+        if self._landing_in:
+            self._apply_landed()
         results, self._results = self._results, []
         return results
 
@@ -189,14 +210,20 @@ class ClusterTier:
     def drain_and_reset(self) -> None:
         """End every job and move to the next cache epoch (ClusterOffloadingManager.reset_cache).
 
-        Copies queued or running are waited for (one in flight is never cut short); loads
-        still waiting for a promotion fail, the promotion abandoned to the manager, which
-        keeps its row out of use until it ends. Every job's result is then in `finished`.
-        Blocks stored before are dropped: after a reset (new weights) no replica promotes
-        them, nor this one.
+        Copies queued or running are waited for (one in flight is never cut short), and so
+        are promotions into primary chunks, for nothing may write a chunk after vLLM's reset:
+        each ends by its deadline, or once a READ that could not be aborted is over. Their
+        keys fail whatever landed (blocks of the epoch a reset leaves), as do loads still
+        waiting for a store or a promotion into this pool, that promotion abandoned to the
+        manager, which keeps its row out of use until it ends. Every job's result is then
+        in `finished`. Blocks stored before are dropped: after a reset (new weights) no
+        replica promotes them, nor this one.
         """
         self._copies.wait_idle()
         self._apply_copies()
+        while self._landing_in:
+            self._apply_landed(reset=True)
+            time.sleep(DRAIN_POLL_S)
         for waiters in self._waiting.values():
             for job, index in waiters:
                 self._resolve(job, index, False)
@@ -219,6 +246,7 @@ class ClusterTier:
                 self.cluster.shutdown()
             finally:
                 self._pool.close()
+                del self._landing  # the primary tier's memory is vLLM's to release
 
     # ---- the rest ----------------------------------------------------------------------
 
@@ -234,9 +262,9 @@ class ClusterTier:
         spec = self.cluster.prepare_load([key], job.req_context)
         self._copies.load((job.job_id, index), int(spec.block_ids[0]), key, int(spec.generations[0]), job.chunks[index])
 
-    def _load_landed(self) -> None:
-        """Loads waiting for blocks whose store or promotion ended: copy the ready ones out,
-        fail the ones whose blocks are gone (a failed promotion or store)."""
+    def _load_stored(self) -> None:
+        """Loads waiting for blocks whose store or promotion into this pool ended: copy the
+        ready ones out, fail the ones whose blocks are gone (a failed store or promotion)."""
         blocks = self._blocks
         for key in [key for key in self._waiting if (block := blocks.get(key)) is None or block.refs >= 0]:
             waiters = self._waiting.pop(key)
@@ -246,6 +274,16 @@ class ClusterTier:
                     self._copy_out(job, index)
                 else:
                     self._resolve(job, index, False)
+
+    def _apply_landed(self, reset: bool = False) -> None:
+        """Loads whose promotions into their chunks ended: each chunk loaded or failed (all
+        failed in a `reset`)."""
+        nbytes = self._landing.chunks.shape[1]
+        for chunk, ok in self.cluster.landed():
+            job, index = self._landing_in.pop(chunk)
+            ok = ok and not reset
+            job.nbytes += nbytes if ok else 0
+            self._resolve(job, index, ok)
 
     def _apply_copies(self) -> None:
         for tag, ok, _, nbytes in self._copies.finished():

@@ -1,6 +1,8 @@
-"""Transfer: how a block held by another replica becomes a row of this replica's pool.
+"""Transfer: how a block held by another replica becomes a row of this replica's pool, or
+of its owner's memory (vLLM's primary chunks, for distkv's tier).
 
-Owns promotion (`promotion`: reserve, read, check, seal), the transports that bring
+Owns promotion (`promotion`: reserve, read, check, accept), where a promotion lands
+(`landing`: a pool's rows, sealed; an owner's chunks, checked), the transports that bring
 another node's rows here (`transport`: the object store through a NodeAgent, NIXL
 one-sided reads), NIXL itself (`rdma`) and the sealing of a pool's NIXL endpoint for
 the members of its cache namespace (`endpoint_seal`).

@@ -1,12 +1,14 @@
 """Promotion: making a block that another replica holds local to this one.
 
-The manager reserves a local row for the block (an in-flight store, so lookups say
-"retry" meanwhile) and submits a Promotion. The Promoter's thread reads the holder's
-slots straight from its shared memory when it is on this node, and through a Transport
-(distkv.transfer.transport) from another node, into the reserved row, and checks every slot
-against the checksum in the holder's header. The manager collects the
-outcome on its own thread and completes (or fails) the store. A block that does not
-check out is a miss, never data.
+The manager reserves a row for the block and submits a Promotion: a row of its own pool
+(an in-flight store, so lookups say "retry" meanwhile), or of another landing its owner
+reserved (`distkv.transfer.landing`: distkv's tier promotes straight into vLLM's primary
+chunks). The Promoter's thread reads the holder's slots straight from its shared memory
+when it is on this node, and through a Transport (distkv.transfer.transport) from another
+node, into the reserved row, checks every slot against the checksum in the holder's
+header, and has the landing accept the row. The manager collects the outcome on its own
+thread and completes (or fails) the store, or hands it to the landing's owner. A block
+that does not check out is a miss, never data.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from distkv.names import check_pool_namespace
 from distkv.storage.readers import PRUNE_INTERVAL_S, PoolReaders
 from distkv.storage.pool import HostPool, PoolLayout
 from distkv.storage.slots import Sealed
+from distkv.transfer.landing import Landing, PoolLanding
 from distkv.transfer.transport import RowRead, Transfer, Transport
 
 logger = logging.getLogger(__name__)
@@ -45,12 +48,13 @@ _FETCHED = object()
 @dataclass
 class Promotion:
     key: OffloadKey
-    row: int  # the local row reserved for it
-    generation: int  # the local generation it will be sealed with
+    row: int  # the row reserved for it, of `into`
+    generation: int  # the local generation it will be sealed with (in this replica's pool)
     holders: tuple[Holder, ...]
     deadline: float  # time.monotonic() after which it fails
     submitted: float = field(default_factory=time.monotonic)  # when the manager asked for it
     cache_epoch: int = 0  # the replica's cache epoch: only holders of the same one are read
+    into: Landing | None = None  # where it lands: this replica's pool if None
     ended: bool = field(default=False, init=False)  # its outcome went to the manager
 
 
@@ -67,41 +71,38 @@ class _InFlight:
     given_up: tuple[str, str] | None = None
 
 
-def _write_local(pool: HostPool, p: Promotion, read_slot: Callable[[int, np.ndarray], Sealed | None]) -> bool:
-    """Fill every rank's slot of p's reserved row of `pool` through read_slot, then seal it."""
-    rows = np.array([p.row])
-    gens = np.array([p.generation], dtype=np.uint64)
-    for rank in range(pool.layout.num_ranks):
-        pool.begin_write(rank, rows)
-        read = read_slot(rank, pool.payload[rank, p.row])
+def _drain(ended: deque) -> list:
+    done = []
+    while ended:
+        done.append(ended.popleft())
+    return done
+
+
+def _write_local(into: Landing, p: Promotion, read_slot: Callable[[int, np.ndarray], Sealed | None]) -> bool:
+    """Fill every rank's slot of p's reserved row of `into` through read_slot, then have
+    `into` accept it."""
+    into.begin(np.array([p.row]))
+    metas = []
+    for rank in range(len(into.payload)):
+        read = read_slot(rank, into.payload[rank, p.row])
         if read is None:
             return False
-        pool.seal(rank, rows, [p.key], gens, read.nbytes, [read.checksum], [read.filled])
-    return True
-
-
-def _seal(pool: HostPool, p: Promotion, metas: list[Sealed]) -> None:
-    """Seal every rank's slot of p's reserved row of `pool`, whose bytes landed and checked out."""
-    rows = np.array([p.row])
-    gens = np.array([p.generation], dtype=np.uint64)
-    for rank, meta in enumerate(metas):
-        pool.seal(rank, rows, [p.key], gens, meta.nbytes, [meta.checksum], [meta.filled])
+        metas.append(read)
+    return into.accept(p.key, p.row, p.generation, metas)
 
 
 class Promoter:
     """Runs promotions on one background thread; the manager drains `finished()`.
 
-    Every promotion submitted ends exactly once, in `finished()`: by success, by failure
-    or at `close`. Whatever one promotion's step raises (the holder's pool cannot be
-    opened, a fetch's result, the write here) fails the promotions of that step only,
-    counted in `errors`; the thread goes on with the others. Only pools of cache
-    `namespace` are read. A reserved row is the Promoter's until its promotion ends: one
-    whose transfer was given up ends once nothing of it can land (a READ NIXL could not
-    abort may, later), and the manager meanwhile answers it as a miss once overdue.
+    Every promotion submitted ends exactly once, in `finished()` (into this pool) or
+    `finished_into()`: by success, by failure or at `close`. Whatever one promotion's step
+    raises (the holder's pool cannot be opened, a fetch's result, the write here) fails
+    the promotions of that step only, counted in `errors`; the thread goes on. Only pools of
+    cache `namespace` are read. A reserved row is the Promoter's until its promotion ends:
+    one given up ends once nothing of it can land (a READ NIXL could not abort may, later).
     """
 
-    # The thread wakes when a promotion is submitted or a transfer says it completed, and
-    # at least this often to fail the promotions past their deadline.
+    # The thread wakes on a submission or a transfer's completion, and this often for deadlines.
     IDLE_WAIT_S = 0.05
     # The transport releases what it keeps for holders that left this often.
     FORGET_GONE_S = 1.0
@@ -115,7 +116,7 @@ class Promoter:
         *,
         namespace: str,
     ):
-        self._pool = pool
+        self._own = PoolLanding(pool)
         self._node_id = node_id
         self._namespace = namespace
         self._replica_info = replica_info
@@ -123,6 +124,7 @@ class Promoter:
         # promotions to start; None to stop; _FETCHED when a fetch completed
         self._submitted: queue.SimpleQueue[Promotion | object | None] = queue.SimpleQueue()
         self._finished: deque[tuple[OffloadKey, bool, bool]] = deque()
+        self._finished_into: deque[tuple[OffloadKey, int, bool, bool]] = deque()
         self._in_flight: list[_InFlight] = []
         self.bytes_same_node = 0
         self.bytes_cross_node = 0
@@ -152,15 +154,16 @@ class Promoter:
         self._submitted.put(promotion)
 
     def finished(self) -> list[tuple[OffloadKey, bool, bool]]:
-        """(key, success, whether it came from this node) of the promotions that ended
-        since the last call."""
-        done = []
-        while self._finished:
-            done.append(self._finished.popleft())
-        return done
+        """(key, success, whether it came from this node) of the promotions into this pool
+        that ended since the last call."""
+        return _drain(self._finished)
 
     def has_finished(self) -> bool:
         return bool(self._finished)
+
+    def finished_into(self) -> list[tuple[OffloadKey, int, bool, bool]]:
+        """(key, row, success, from this node) of those into other landings, as `finished`."""
+        return _drain(self._finished_into)
 
     def close(self) -> None:
         self._submitted.put(None)
@@ -206,14 +209,14 @@ class Promoter:
             return batch
 
     def _start(self, batch: list[Promotion]) -> None:
-        by_holder: dict[str, tuple[ReplicaInfo, list[Promotion]]] = {}
+        by_holder: dict[tuple[str, int], tuple[ReplicaInfo, list[Promotion]]] = {}
         for p in batch:
             with self._failing([p], None, "while choosing a holder"):
                 info = self._choose(p)
                 if info is None:
                     self._finish([p], False, None, "promotion_no_holder", f"{len(p.holders)} holder(s) known")
                     continue
-                by_holder.setdefault(info.replica_id, (info, []))[1].append(p)
+                by_holder.setdefault((info.replica_id, id(p.into)), (info, []))[1].append(p)
         for info, promotions in by_holder.values():
             same_node = info.node_id == self._node_id
             path = "same_node" if same_node else "cross_node"
@@ -233,11 +236,10 @@ class Promoter:
     def _fetch(self, info: ReplicaInfo, promotions: list[Promotion]) -> None:
         held = [self._held_row(p, info) for p in promotions]
         reads = [RowRead(p.key, h.row, h.generation, p.row) for p, h in zip(promotions, held)]
-        rows = np.array([p.row for p in promotions])
-        for rank in range(self._pool.layout.num_ranks):
-            self._pool.begin_write(rank, rows)  # before any byte of the transfer lands
+        into = promotions[0].into  # all of them: `_start` groups them by it
+        (into or self._own).begin(np.array([p.row for p in promotions]))  # before any byte lands
         try:
-            transfer = self.transport.start(info, reads, self._wake)
+            transfer = self.transport.start(info, reads, self._wake, into)
         except Exception as e:
             logger.warning("promotion from %s could not start", info.replica_id, exc_info=True)
             self._finish(promotions, False, "cross_node", "promotion_fetch", f"from {info.replica_id}: {e!r}")
@@ -249,7 +251,7 @@ class Promoter:
 
     def _choose(self, p: Promotion) -> ReplicaInfo | None:
         """A holder of the promotion's cache epoch whose pool we can read, on this node if possible."""
-        mine = self._pool.layout
+        mine = self._own.pool.layout
         candidates = []
         for holder in p.holders:
             info = self._replica_info(holder.replica_id)
@@ -278,10 +280,11 @@ class Promoter:
                     with self._failing([p], "same_node", f"from {info.replica_id}"):
                         held = self._held_row(p, info)
                         ok = _write_local(
-                            self._pool, p, lambda rank, out: holder_pool.read(rank, held.row, p.key, held.generation, out)
+                            p.into or self._own, p,
+                            lambda rank, out: holder_pool.read(rank, held.row, p.key, held.generation, out),
                         )
                         if ok:
-                            self.bytes_same_node += self._pool.layout.num_ranks * self._pool.layout.slot_bytes
+                            self.bytes_same_node += info.num_ranks * info.slot_bytes  # as ours (`_choose`)
                         self._finish([p], ok, "same_node", None if ok else "promotion_stale", f"from {info.replica_id}")
         except Exception as e:
             logger.warning("promotion from %s: its pool %s cannot be read: %r", info.replica_id, info.pool_name, e)
@@ -346,9 +349,8 @@ class Promoter:
         moved[2] += seconds
         for p, metas in zip(flight.promotions, landed, strict=True):
             with self._failing([p], "cross_node", where):
-                ok = metas is not None
+                ok = metas is not None and (p.into or self._own).accept(p.key, p.row, p.generation, metas)
                 if ok:
-                    _seal(self._pool, p, metas)
                     nbytes = sum(meta.nbytes for meta in metas)
                     self.bytes_cross_node += nbytes
                     moved[0] += 1
@@ -385,5 +387,8 @@ class Promoter:
             self.errors.add(error, f"{len(promotions)} promotion(s) {detail}", len(promotions))
         for p in promotions:
             p.ended = True
-            self._finished.append((p.key, ok, path == "same_node"))
+            if p.into is None:
+                self._finished.append((p.key, ok, path == "same_node"))
+            else:
+                self._finished_into.append((p.key, p.row, ok, path == "same_node"))
 

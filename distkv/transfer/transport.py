@@ -1,15 +1,15 @@
 """Transports: how the bytes of a block held on another node reach the row reserved here.
 
-The Promoter reserves local rows, zeroes their headers (`begin_write`) and hands a
-transport the reads of one holder; the transport moves every rank's slot of each holder
-row into its local row and says, per read, what the holder's headers said of the block
-once its bytes are here and checked against them (the checksum), or None: a miss. The
-Promoter seals what checked out.
+The Promoter reserves rows of a landing (`distkv.transfer.landing`: this replica's pool,
+or its owner's chunks) and hands a transport the reads of one holder; the transport moves
+every rank's slot of each holder row into its row of the landing and says, per read, what
+the holder's headers said of the block once its bytes are here and checked against them
+(the checksum), or None: a miss. The landing then accepts what checked out.
 
 - `ObjectStoreTransport`: the holder node's NodeAgent copies the rows into the object
   store as a call's result; they are copied here, checked as they are copied.
 - `NixlTransport`: one-sided NIXL READs from the holder's registered segment straight
-  into this replica's registered pool, headers into a scratch, then a second READ of the
+  into the registered landing, headers into a scratch, then a second READ of the
   generations; nothing runs in the holder's processes.
 - `NodeTransports` picks one of them per holder node (the `transport` setting).
 """
@@ -33,6 +33,7 @@ from distkv.transfer.endpoint_seal import EndpointSeal
 from distkv.storage.slots import HEADER_BYTES, Sealed, check_landed, copy_checksum
 from distkv.storage.pool import HostPool, PoolLayout
 from distkv.storage.readers import RowsRead
+from distkv.transfer.landing import Landing, PoolLanding
 from distkv.transfer.rdma import NixlAgent, PoolEndpoint, ReadQueue
 
 logger = logging.getLogger(__name__)
@@ -43,7 +44,7 @@ Landed = list[list[Sealed] | None]
 
 @dataclass(frozen=True)
 class RowRead:
-    """One block to bring here: its key, where the holder keeps it, the local row for it."""
+    """One block to bring here: its key, where the holder keeps it, the row of the landing for it."""
 
     key: OffloadKey
     holder_row: int
@@ -69,18 +70,19 @@ class Transfer(ABC):
     @abstractmethod
     def cancel(self) -> None:
         """Give up (a deadline passed, or the transfer failed); `finish` is not called. Its
-        bytes may still land in the local rows until `settled`. Never raises; calling it
+        bytes may still land in the landing's rows until `settled`. Never raises; calling it
         twice is fine."""
 
     def settled(self) -> bool:
-        """Whether no byte of a cancelled transfer lands in the local rows any more, so that
+        """Whether no byte of a cancelled transfer lands in the landing's rows any more, so that
         they may be used again: at once, but for a one-sided read that could not be
         aborted yet. Never raises."""
         return True
 
 
 class Transport(ABC):
-    """Moves blocks from a holder on another node into this replica's pool."""
+    """Moves blocks from a holder on another node into rows of a landing: this replica's
+    pool unless a transfer names another."""
 
     name: str
     # The most bytes one transfer carries (one row at least): the Promoter splits bigger
@@ -94,9 +96,15 @@ class Transport(ABC):
         return self.BATCH_BYTES
 
     @abstractmethod
-    def start(self, holder: ReplicaInfo, reads: Sequence[RowRead], wake: Callable[[], None]) -> Transfer:
-        """Start `reads` from `holder`'s pool; `wake` runs (on any thread) when the transfer
-        may have become done. Raises if nothing could start."""
+    def start(
+        self, holder: ReplicaInfo, reads: Sequence[RowRead], wake: Callable[[], None], into: Landing | None = None
+    ) -> Transfer:
+        """Start `reads` from `holder`'s pool into `into` (this replica's pool if None, else
+        a landing `admit` took); `wake` runs (on any thread) when the transfer may have
+        become done. Raises if nothing could start."""
+
+    def admit(self, into: Landing) -> None:
+        """Let transfers land in `into` from now on (before the first that does)."""
 
     def rates(self) -> dict[str, dict[str, float]]:
         """Per holder node, the rate (bytes/s) measured for each transport; {} if it measures none."""
@@ -160,9 +168,9 @@ def shipped_index(metas: Sequence[list[Sealed] | None]) -> list[int | None]:
 class _FetchedRows(Transfer):
     transport = "object_store"
 
-    def __init__(self, future: Future, pool: HostPool, reads: Sequence[RowRead]) -> None:
+    def __init__(self, future: Future, into: Landing, reads: Sequence[RowRead]) -> None:
         self._future = future
-        self._pool = pool
+        self._into = into
         self._reads = reads
 
     def done(self) -> bool:
@@ -176,7 +184,7 @@ class _FetchedRows(Transfer):
         landed: Landed = []
         for read, meta, i in zip(self._reads, metas, shipped):
             if meta is not None:
-                payload = self._pool.payload
+                payload = self._into.payload
                 for rank, slot in enumerate(meta):
                     if not _copy_checked(data[rank, i], slot, payload[rank, read.local_row]):
                         meta = None
@@ -199,15 +207,17 @@ class ObjectStoreTransport(Transport):
     name = "object_store"
 
     def __init__(self, pool: HostPool, fetch: RemoteFetch) -> None:
-        self._pool = pool
+        self._pool = PoolLanding(pool)
         self._fetch = fetch
 
-    def start(self, holder: ReplicaInfo, reads: Sequence[RowRead], wake: Callable[[], None]) -> Transfer:
+    def start(
+        self, holder: ReplicaInfo, reads: Sequence[RowRead], wake: Callable[[], None], into: Landing | None = None
+    ) -> Transfer:
         future = self._fetch(
             holder, [r.holder_row for r in reads], [r.key for r in reads], [r.holder_generation for r in reads]
         )
         future.add_done_callback(lambda _: wake())
-        return _FetchedRows(future, self._pool, reads)
+        return _FetchedRows(future, into or self._pool, reads)
 
     def forget_gone(self, replica_info: Callable[[str], ReplicaInfo | None]) -> None:
         self._fetch.forget_gone(replica_info)
@@ -242,8 +252,8 @@ class _Scratch:
 
 
 class _NixlReads(Transfer):
-    """A READ of the slots (straight into the local rows) and their headers (into the
-    scratch), then, once it is done, a READ of the generations: `pool.check_landed`."""
+    """A READ of the slots (straight into the landing's rows) and their headers (into the
+    scratch), then, once it is done, a READ of the generations: `check_landed`."""
 
     transport = "nixl"
 
@@ -255,20 +265,22 @@ class _NixlReads(Transfer):
         reads: Sequence[RowRead],
         scratch: list[int],
         wake: Callable[[], None],
+        into: Landing,
     ) -> None:
         self._transport = transport
         self._reads = reads
         self._scratch = scratch
         self._wake = wake
+        self._into = into
         layout = PoolLayout(holder.num_rows, holder.num_ranks, holder.slot_bytes)
-        local = transport.pool
         base = transport.scratch.buffer.ctypes.data
         slots, generations = [], []
         for i, read in enumerate(reads):
             for rank in range(layout.num_ranks):
                 header = base + scratch[i * layout.num_ranks + rank] * _Scratch.SLOT_BYTES
                 remote_header = layout.header_offset(rank, read.holder_row)
-                slots.append((layout.slot_offset(rank, read.holder_row), local.address + local.layout.slot_offset(rank, read.local_row), layout.slot_bytes))
+                local = into.slot_address(rank, read.local_row)
+                slots.append((layout.slot_offset(rank, read.holder_row), local, layout.slot_bytes))
                 slots.append((remote_header, header, HEADER_BYTES))
                 generations.append((remote_header, header + HEADER_BYTES, 8))
         self._num_ranks = layout.num_ranks
@@ -296,7 +308,7 @@ class _NixlReads(Transfer):
             if self._failed:
                 raise ConnectionError(f"a NIXL read from agent {self._endpoint.agent_name} failed")
             buffer = self._transport.scratch.buffer
-            payload = self._transport.pool.payload
+            payload = self._into.payload
             landed: Landed = []
             for i, read in enumerate(self._reads):
                 metas = []
@@ -338,8 +350,8 @@ class NixlTransport(Transport):
     opens: one sealed by a member of this replica's cache namespace.
 
     Registers this replica's pool with its agent once (its endpoint, sealed, goes into the
-    replica's own ReplicaInfo, for the namespace's other members to read it) and a scratch
-    for the headers of up to `scratch_slots` slots in flight.
+    replica's own ReplicaInfo, for the namespace's other members to read it), a scratch
+    for the headers of up to `scratch_slots` slots in flight, and each landing it admits.
     """
 
     name = "nixl"
@@ -351,6 +363,7 @@ class NixlTransport(Transport):
         self.pool = pool
         self.agent = agent
         self.endpoint = agent.endpoint(pool)
+        self._landings: list[Landing] = [PoolLanding(pool)]  # registered with the agent: the pool first
         self.scratch = _Scratch(agent, scratch_slots)
         self.reads = ReadQueue(agent)
         self._seal = seal
@@ -375,7 +388,17 @@ class NixlTransport(Transport):
             opened = self._opened[holder.replica_id] = (holder.endpoint, endpoint)
         return opened[1]
 
-    def start(self, holder: ReplicaInfo, reads: Sequence[RowRead], wake: Callable[[], None]) -> Transfer:
+    def admit(self, into: Landing) -> None:
+        if not any(into is landing for landing in self._landings):
+            self.agent.register(*into.region)
+            self._landings.append(into)
+
+    def start(
+        self, holder: ReplicaInfo, reads: Sequence[RowRead], wake: Callable[[], None], into: Landing | None = None
+    ) -> Transfer:
+        into = into or self._landings[0]
+        if not any(into is landing for landing in self._landings):
+            raise ValueError("a NIXL read into memory the transport did not admit (Transport.admit)")
         endpoint = self.endpoint_of(holder)
         if endpoint is None:
             raise ValueError(f"replica {holder.replica_id} registered no NIXL endpoint this replica can open")
@@ -388,7 +411,7 @@ class NixlTransport(Transport):
         if scratch is None:
             raise RuntimeError("NIXL scratch exhausted: too many slots in flight")
         try:
-            return _NixlReads(self, holder, endpoint, reads, scratch, wake)
+            return _NixlReads(self, holder, endpoint, reads, scratch, wake, into)
         except BaseException:
             self.scratch.give_back(scratch)
             self.agent.forget(endpoint.agent_name)
@@ -408,6 +431,7 @@ class NixlTransport(Transport):
     def close(self) -> None:
         self.reads.close()
         self.agent.close()
+        del self._landings[1:]  # their owners' memory, not to be held past the close
 
 
 # ---- which transport, per holder node --------------------------------------------------
@@ -500,10 +524,12 @@ class NodeTransports(Transport):
             return self._object_store
         return max(measured, key=lambda t: rates[t.name][0])
 
-    def start(self, holder: ReplicaInfo, reads: Sequence[RowRead], wake: Callable[[], None]) -> Transfer:
+    def start(
+        self, holder: ReplicaInfo, reads: Sequence[RowRead], wake: Callable[[], None], into: Landing | None = None
+    ) -> Transfer:
         self._holder_nodes.note(holder)
         measure = self._due(holder)
-        transfer = (measure or self.chosen(holder)).start(holder, reads, wake)
+        transfer = (measure or self.chosen(holder)).start(holder, reads, wake, into)
         if measure is None:
             return transfer
         self._measuring.add((holder.node_id, measure.name))
@@ -511,6 +537,11 @@ class NodeTransports(Transport):
 
     def batch_bytes(self, holder: ReplicaInfo) -> int:
         return self.chosen(holder).batch_bytes(holder)
+
+    def admit(self, into: Landing) -> None:
+        self._object_store.admit(into)
+        if self._nixl is not None:
+            self._nixl.admit(into)
 
     def forget_gone(self, replica_info: Callable[[str], ReplicaInfo | None]) -> None:
         live = self._holder_nodes.live(replica_info)

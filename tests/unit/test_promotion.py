@@ -17,6 +17,7 @@ from distkv.directory.records import Holder, ReplicaInfo
 from distkv.names import segment_name
 from distkv.storage.pool import HostPool, PoolLayout
 from distkv.storage.readers import read_rows
+from distkv.transfer.landing import ChunkLanding
 from distkv.transfer.promotion import Promoter, Promotion
 from distkv.transfer.transport import ObjectStoreTransport
 
@@ -285,3 +286,47 @@ def test_a_same_node_promotion_never_unlinks_the_holders_segment(world, namespac
     finally:
         if os.path.exists(path):
             os.unlink(path)
+
+
+def test_promotions_into_a_chunk_landing_fill_whole_chunks_and_leave_this_pool_alone(namespace):
+    """distkv's tier promotes straight into vLLM's primary chunks: from this node and from
+    another, each chunk checked; a stale generation or a block that fills part of its slot
+    fails, and nothing is reserved or sealed in this replica's own pool."""
+    layout = PoolLayout(4, 1, 4096)
+    local = HostPool(segment_name(namespace, "local"), layout)
+    holders = {node: HostPool(segment_name(namespace, f"on_{node}".replace("-", "_")), layout) for node in (NODE, "node-2")}
+    infos = {f"on-{node}": ReplicaInfo(f"on-{node}", node, pool.name, 4, 1, 4096) for node, pool in holders.items()}
+    fetch = Fetch()
+    promoter = Promoter(local, NODE, infos.get, ObjectStoreTransport(local, fetch), namespace=namespace)
+    data = np.random.default_rng(5).integers(0, 256, (4, 4096), dtype=np.uint8)
+    try:
+        for pool in holders.values():
+            rows = np.arange(4)
+            pool.begin_write(0, rows)
+            pool.payload[0] = data
+            pool.seal(0, rows[:3], [key_of(r) for r in range(3)], np.full(3, 7, dtype=np.uint64), 4096)
+            pool.seal(0, rows[3:], [key_of(3)], np.full(1, 7, dtype=np.uint64), 1000)  # part of its slot
+        chunks = np.zeros((6, 4096), dtype=np.uint8)
+        landing = ChunkLanding(chunks)
+        for node, replica in ((NODE, f"on-{NODE}"), ("node-2", "on-node-2")):
+            chunks[:] = 0
+            for row, chunk, generation in ((0, 5, 7), (1, 4, 8), (3, 3, 7)):
+                promoter.submit(Promotion(key_of(row), chunk, 0, (Holder(replica, node, row, generation),),
+                                          time.monotonic() + DEADLINE_S, into=landing))
+            if node != NODE:
+                wait_for_fetches(fetch, 1)
+                fetch.answer()
+            outcomes: dict[int, bool] = {}
+            start = time.monotonic()
+            while len(outcomes) < 3:
+                assert time.monotonic() - start < END_WITHIN_S, "a promotion never ended"
+                outcomes.update((row, ok) for _, row, ok, _ in promoter.finished_into())
+                time.sleep(0.001)
+            assert outcomes == {5: True, 4: False, 3: False}, node
+            np.testing.assert_array_equal(chunks[5], data[0])
+            assert promoter.finished() == []
+        assert all(local.generation(0, row) == 0 for row in range(4))  # nothing sealed here
+    finally:
+        promoter.close()
+        for pool in (local, *holders.values()):
+            pool.close()

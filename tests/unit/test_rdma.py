@@ -21,6 +21,7 @@ from distkv.storage.pool import PAGE_BYTES, HostPool, PoolLayout
 from distkv.storage.segments import reclaim_stale_segments
 from distkv.directory.records import ReplicaInfo  # noqa: E402
 from distkv.transfer.endpoint_seal import EndpointSeal, new_secret  # noqa: E402
+from distkv.transfer.landing import ChunkLanding  # noqa: E402
 from distkv.transfer.rdma import NixlAgent, RdmaUnavailable, load_nixl  # noqa: E402
 from distkv.transfer.transport import NixlTransport, NodeTransports, RowRead, Transfer, Transport  # noqa: E402
 
@@ -212,6 +213,9 @@ def test_the_nixl_transport_lands_checks_and_fails_into_misses(holder):
         return transfer.finish()
 
     try:
+        elsewhere = ChunkLanding(np.zeros((2, LAYOUT.slot_bytes), dtype=np.uint8))
+        with pytest.raises(ValueError, match="did not admit"):  # memory NIXL was not given
+            transport.start(info, [RowRead(KEY, 3, 7, 0)], lambda: None, elsewhere)
         landed = run([RowRead(KEY, 3, 7, 5), RowRead(KEY, 3, 8, 6)])
         assert landed[1] is None  # asked at another generation: a miss
         assert [m.nbytes for m in landed[0]] == [LAYOUT.slot_bytes] * LAYOUT.num_ranks
@@ -485,7 +489,7 @@ class ObjectStoreStandIn(Transport):
     def __init__(self) -> None:
         self.served: list[str] = []
 
-    def start(self, holder, reads, wake) -> Transfer:
+    def start(self, holder, reads, wake, into=None) -> Transfer:
         self.served.append(holder.replica_id)
         return Served()
 

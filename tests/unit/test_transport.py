@@ -47,7 +47,7 @@ class FakeTransport(Transport):
         self.name = name
         self.started: list[FakeTransfer] = []
 
-    def start(self, holder, reads, wake):
+    def start(self, holder, reads, wake, into=None):
         self.started.append(FakeTransfer(self.name))
         return self.started[-1]
 
