@@ -22,7 +22,7 @@ lookup   CPU time per call of the tier's `lookup` on the scheduler's thread (vLL
 promote  64 chunks of 2 MiB from replica A on node A into replica B on node B (simulated
          nodes), by each transport: through the tier, from B's first lookup through vLLM's
          TieringOffloadingManager until every chunk answers HIT in B's primary tier (the
-         transport into B's pool, checked, then the copy into the primary tier, checked);
+         transport straight into vLLM's chunks, each checked there);
          beside distkv's own spec's promotion of the same 64 blocks of 2 MiB between the
          same two nodes by the same transport (bench/promote.py's replicas: first lookup
          until all are local). Median of --runs, taking turns. Goal: tier GB/s >= 0.85 of

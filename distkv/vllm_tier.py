@@ -241,7 +241,8 @@ class DistkvTier(SecondaryTierManager):
     def drain_jobs(self) -> None:
         """vLLM 0.33 calls this from reset_cache only (TieringOffloadingManager.reset_cache:
         weights updated, or sleep), so it is the tier's reset too: every job ends (copies
-        finish, loads waiting for a promotion fail) and the replica moves to a new cache
+        finish; promotions into vLLM's chunks end, by their deadline at the latest, before
+        vLLM resets its primary tier; their loads fail) and the replica moves to a new cache
         epoch, as distkv's spec does on reset_cache, so that no replica promotes the chunks
         of the old weights from it, nor it from them."""
         self._tier.drain_and_reset()
