@@ -219,11 +219,10 @@ class ClusterOffloadingManager(OffloadingManager):
         """(row, success) of the promotions `promote_into` started that ended since the last call."""
         finished, now = self.promoter.finished_into(), time.monotonic()
         self.pulls.ended(((key, ok, same) for key, _, ok, same in finished), now)
-        failed = [key for key, _, ok, _ in finished if not ok]
+        failed = self._inflight.landed(finished, now)
         self._loads.landed(same for _, _, ok, same in finished if ok)
         self.lookups_remote_hit += len(finished) - len(failed)
         self.lookups_miss += len(failed)
-        self._inflight.fail(failed, now)
         return [(row, ok) for _, row, ok, _ in finished]
 
     def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> LoadStoreSpec:
@@ -303,8 +302,8 @@ class ClusterOffloadingManager(OffloadingManager):
         return self.local.blocks_stored - self._promoted_stored
 
     @property
-    def promotions_in_flight(self) -> int:
-        return len(self._promoting)
+    def promotions_in_flight(self) -> int:  # into this pool's rows and into a tier's chunks
+        return len(self._promoting) + self._inflight.into_rows
 
     def stats(self) -> ReplicaStats:
         """This replica's counts since it started (`replica_stats`)."""
@@ -335,7 +334,7 @@ class ClusterOffloadingManager(OffloadingManager):
             if self._num_shards > 1:
                 self._blocks[key].shard = self.placement.shard(key, req_context)
             row, generation = int(out.store_spec.block_ids[0]), int(out.store_spec.generations[0])
-            self._inflight.started(key, deadline)
+        self._inflight.started(key, deadline, into is not None)
         self.promoter.submit(Promotion(key, row, generation, holders, deadline, cache_epoch=self.epoch.epoch, into=into))
         self.pulls.submitted(key, req_context, now)
         return RETRY

@@ -40,6 +40,8 @@ class PromotionsInFlight:
         self.abandoned: set[OffloadKey] = set()
         # keys whose promotion failed -> until when lookups answer a miss for them
         self.failed: dict[OffloadKey, float] = {}
+        # promotions into rows of other landings than this pool, in flight
+        self.into_rows = 0
 
     def failed_until(self, key: OffloadKey, now: float) -> bool:
         """Whether `key`'s promotion failed less than `retry_s` ago (one that failed
@@ -52,8 +54,12 @@ class PromotionsInFlight:
         del self.failed[key]
         return False
 
-    def started(self, key: OffloadKey, deadline: float) -> None:
-        """A promotion of `key` was submitted, to end by `deadline`."""
+    def started(self, key: OffloadKey, deadline: float, into_row: bool = False) -> None:
+        """A promotion of `key` was submitted, to end by `deadline`: into a row of this pool,
+        or `into_row` of another landing's (its owner waits for it: `landed`)."""
+        if into_row:
+            self.into_rows += 1
+            return
         if not self.promoting:
             self._next_overdue = deadline + OVERDUE_GRACE_S
         self.promoting[key] = deadline + OVERDUE_GRACE_S
@@ -96,6 +102,14 @@ class PromotionsInFlight:
             else:
                 failed.append(key)
         return succeeded, failed, ended
+
+    def landed(self, finished: list[tuple[OffloadKey, int, bool, bool]], now: float) -> list[OffloadKey]:
+        """The Promoter's reports (key, row, ok, same node) of promotions into other
+        landings: they are out of flight, and the failed ones (returned) misses for `retry_s`."""
+        self.into_rows -= len(finished)
+        failed = [key for key, _, ok, _ in finished if not ok]
+        self.fail(failed, now)
+        return failed
 
     def fail(self, keys: list[OffloadKey], now: float) -> None:
         """These promotions failed at `now`: misses for `retry_s`."""

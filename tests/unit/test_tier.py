@@ -140,10 +140,11 @@ def test_lookup_answers_from_the_pool_and_the_view_and_starts_nothing(replicas):
         time.sleep(0.001)
     assert b.tier.lookup(held, ctx) is HIT  # still a chunk b can provide
     assert b.tier.cluster.local.num_free_rows == 16  # no row of b's pool reserved for it
+    assert b.tier.cluster.promotions_in_flight == 1  # as `distkv status` and the metrics count it
     fetch.release()
     (result,) = b.results(1).values()
     assert result.success, b.tier.cluster.stats().recent_errors
-    assert b.tier.lookup(held, ctx) is HIT
+    assert b.tier.lookup(held, ctx) is HIT and b.tier.cluster.promotions_in_flight == 0
 
 
 @pytest.mark.parametrize("node_b", ["node-1", "node-2"], ids=["same-node", "cross-node"])
