@@ -402,15 +402,30 @@ class Demo:
                 progress.update(done)
 
     def _wait_for_directory(self, namespace: str, num_shards: int) -> None:
-        """Until every replica is registered with every Directory shard: the shards start
-        with the first replica, and what replicas store before then is seen late."""
+        """Until every replica is registered with every Directory shard (the shards start
+        with the first replica, and what replicas store before then is seen late) and the
+        cluster's NodeWatcher has read the node table: the previous arm's went with its
+        shards, and a new one is a worker process started, seconds of a core that would
+        otherwise fall in this arm's measured trace."""
+        from distkv.names import NODE_WATCHER_NAME, RAY_NAMESPACE
         from ray_actors.directory import get_or_create_shards
 
         shards = get_or_create_shards(namespace, num_shards)
         deadline = time.monotonic() + REQUEST_TIMEOUT_S
+
+        def watching() -> bool:
+            try:
+                return ray.get(ray.get_actor(NODE_WATCHER_NAME, namespace=RAY_NAMESPACE).reads.remote()) > 0
+            except (ValueError, ray.exceptions.RayActorError):  # not made yet, or the last arm's, going
+                return False
+
         while min(s["replicas"] for s in ray.get([shard.stats.remote() for shard in shards])) < self.args.replicas:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"replicas not registered with the Directory in {REQUEST_TIMEOUT_S:.0f} s")
+            time.sleep(0.05)
+        while not watching():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the Directory's node watcher did not start in {REQUEST_TIMEOUT_S:.0f} s")
             time.sleep(0.05)
 
     def _forget_namespaces(self) -> None:
