@@ -154,9 +154,10 @@ class DirectoryLink:
         # How a lookup that missed the view has its key asked: the queried view's `ask`,
         # None while the view holds every block (see `_queried`).
         self.ask: Callable[[OffloadKey, int], bool] | None = None
+        self._routed = threading.Event()  # `answers_routed`
         parts = ViewParts(
             namespace, self._shards, self._holders, info.replica_id, self._waker, self.errors,
-            [p.saw_epoch for p in self._publishers], self.query_times, self._steps, self._queried,
+            [p.saw_epoch for p in self._publishers], self.query_times, self._steps, self._queried, self._routed,
         )
         self._source: HolderSource = VIEWS[view](parts)
         if isinstance(self._source, QueriedView):
@@ -270,6 +271,14 @@ class DirectoryLink:
     def replica(self, replica_id: str) -> ReplicaInfo | None:
         """A registered replica's info, from the view; None if unknown."""
         return self._source.replica(replica_id)
+
+    def answers_routed(self) -> None:
+        """Requests come with their router's Directory answer (`distkv.routing`): a view of
+        "auto" stops following every shard's changes and queries what a request without one
+        misses. From the scheduler's thread; never blocks."""
+        if not self._routed.is_set():
+            self._routed.set()
+            self._waker.set()
 
     def expect_step_ends(self) -> None:
         """The owner calls `end_step` at the end of every scheduler step from now on: the

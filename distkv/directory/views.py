@@ -11,7 +11,9 @@ setting):
   into one call per shard (a `Querier` each) at the end of the scheduler's step, and the
   answers stand in the view for ANSWER_TTL_S;
 - `SwitchingView` ("auto"): follows while the namespace is small and queries for good once
-  a followed view shows more than AUTO_PUSH_MAX_REPLICAS replicas.
+  a followed view shows more than AUTO_PUSH_MAX_REPLICAS replicas, or once requests come
+  with their router's Directory answer (`ViewParts.routed`): each brings what it needs of
+  the Directory, so following every change would be work for nothing.
 
 Every view is stepped by its link's thread only (`step(now)` makes its calls and returns
 when it next needs a step); `ask` and `end_step` come from the scheduler's thread and only
@@ -21,6 +23,7 @@ queue.
 from __future__ import annotations
 
 import collections
+import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -64,7 +67,8 @@ class ViewParts:
     """What a link hands each of its views. `holders` is the link's one dict of other
     replicas' blocks, which views fill; `own_id`, the link's replica, whose own blocks no
     view shows; `saw_epoch[i]`, the publisher of shard i, told each epoch a follower sees;
-    `queried`, the link's hook for a view that starts answering by queries."""
+    `queried`, the link's hook for a view that starts answering by queries; `routed`, set
+    once requests come with their router's Directory answer."""
 
     namespace: str
     shards: Sequence[ShardClient]
@@ -76,6 +80,7 @@ class ViewParts:
     query_times: collections.deque
     steps: StepEnds
     queried: Callable[[QueriedView], None]
+    routed: threading.Event
 
 
 class HolderSource(ABC):
@@ -265,9 +270,10 @@ class QueriedView(HolderSource):
 
 class SwitchingView(HolderSource):
     """directory_view "auto": a `FollowedView` until one of its shards shows more than
-    AUTO_PUSH_MAX_REPLICAS replicas, then a `QueriedView` for good (`switch`): the
-    followed holders give way to answers, the replicas' infos stay for the promotions
-    that started from them, and the link is told (`ViewParts.queried`)."""
+    AUTO_PUSH_MAX_REPLICAS replicas or requests come with their router's answer
+    (`ViewParts.routed`), then a `QueriedView` for good (`switch`): the followed holders
+    give way to answers, the replicas' infos stay for the promotions that started from
+    them, and the link is told (`ViewParts.queried`)."""
 
     def __init__(self, parts: ViewParts) -> None:
         self._parts = parts
@@ -281,7 +287,9 @@ class SwitchingView(HolderSource):
     def step(self, now: float) -> float:
         due = self.current.step(now)
         followed = self._followed
-        if followed is not None and any(len(view.replicas) > AUTO_PUSH_MAX_REPLICAS for view in followed.views):
+        if followed is not None and (
+            self._parts.routed.is_set() or any(len(view.replicas) > AUTO_PUSH_MAX_REPLICAS for view in followed.views)
+        ):
             due = min(due, self.switch().step(now))
         return due
 

@@ -54,7 +54,9 @@ class RequestPulls:
             self._errors.add("routed_answer", "a request carried a Directory answer distkv cannot read")
         elif answer:
             self.routed[answer.kind(own)] += 1
-            self.any_routed = True
+            if not self.any_routed:
+                self.any_routed = True
+                self._link.answers_routed()
             req_context.set_state(answer.without(own))
 
     def allowed(

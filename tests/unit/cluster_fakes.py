@@ -42,6 +42,7 @@ class FakeLink:
     namespace = "ns0"
     num_shards = 1
     ask = None  # the view holds everything: nothing to ask
+    routed = False  # whether `answers_routed` was called
 
     def __init__(self, directory: FakeDirectory, info: ReplicaInfo):
         self.directory = directory
@@ -95,6 +96,9 @@ class FakeLink:
 
     def end_step(self):
         pass
+
+    def answers_routed(self):
+        self.routed = True
 
     def replica(self, replica_id):
         return self.directory.infos.get(replica_id)

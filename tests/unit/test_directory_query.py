@@ -350,6 +350,35 @@ def test_an_auto_link_switches_to_queries_once_its_view_shows_more_replicas_than
     assert sum(len(queries(shard)) for shard in shards) == 1
 
 
+def test_an_auto_link_switches_to_queries_once_requests_come_with_their_routers_answer(shards):
+    link = make_link(shards, view="auto")
+    stepper = started(link)
+    hold(shards, [key(1)])
+    for shard in shards:
+        shard.answer(("changes",))
+    stepper.step(0.0)
+    assert not link.queried and link.view[key(1)] == (Holder("b", "node-2", 0, 7),)
+    link.answers_routed()
+    stepper.step(0.0)
+    assert link.queried and key(1) not in link.view  # 2 replicas, yet it follows no more
+    for shard in shards:
+        shard.answer(("changes",))  # the polls in flight as it switched
+    stepper.step(0.0)
+    assert all("changes" not in shard.in_flight() for shard in shards)  # and no poll since
+    ask(link, key(1))  # a request without an answer asks
+    link.end_step()
+    stepper.step(0.0)
+    assert sum(len(queries(shard)) for shard in shards) == 1
+
+
+def test_a_link_told_to_push_keeps_following_whatever_requests_bring(shards):
+    link = make_link(shards, view="push")
+    stepper = started(link)
+    link.answers_routed()
+    stepper.step(0.0)
+    assert not link.queried and link.ask is None
+
+
 def test_bad_view_names_the_choices(shards):
     with pytest.raises(ValueError, match=r"view='pull' must be one of \['auto', 'push', 'query'\]"):
         make_link(shards, view="pull")

@@ -34,7 +34,7 @@ def test_an_answer_reads_back_as_it_was_sent_and_anything_else_is_ignored():
 class QueriedSpec(FakeClusterSpec):
     def get_manager(self):
         manager = super().get_manager()
-        manager.link = QueriedLink(self.directory, manager.link.info)
+        manager.link = manager.pulls._link = QueriedLink(self.directory, manager.link.info)
         manager._view = manager.link.view
         return manager
 
@@ -62,11 +62,12 @@ def test_a_prompt_nobody_holds_is_a_plain_miss_with_the_routers_answer(queried):
     b = queried(directory, "node-2")
     tokens = prompt(3)
     unrouted = b.serve(prompt(4), max_retries=2)  # without an answer it asks, and waits
-    assert unrouted.retries == 3 and b.manager.link.asked
+    assert unrouted.retries == 3 and b.manager.link.asked and not b.manager.link.routed
     b.manager.link.asked.clear()
 
     routed = b.serve(tokens, kv_transfer_params=answer_for(directory, tokens, b.manager.link.namespace))
     assert (routed.hit_blocks, routed.retries) == (0, 0) and not b.manager.link.asked
+    assert b.manager.link.routed  # told, so that a view of "auto" stops following
     assert b.manager.pulls.routed["cold"] == 1
 
 
