@@ -328,29 +328,8 @@ def test_a_following_link_asks_nothing(shards):
     assert link.ask is None  # a followed view has no way to ask
 
 
-def test_an_auto_link_switches_to_queries_once_its_view_shows_more_replicas_than_the_bound(shards, monkeypatch):
-    monkeypatch.setattr(directory, "AUTO_PUSH_MAX_REPLICAS", 2)
-    link = make_link(shards, view="auto")
-    stepper = started(link)
-    hold(shards, [key(1)])
-    for shard in shards:
-        shard.answer(("changes",))
-    stepper.step(0.0)
-    assert not link.queried and link.view[key(1)] == (Holder("b", "node-2", 0, 7),)  # 2 replicas: following
-    for shard in shards:
-        shard.state.register(ReplicaInfo("c", "node-3", "distkv-ns-c", 64, 1, 4096))
-        shard.answer(("changes",))
-    stepper.step(0.0)
-    assert link.queried
-    assert key(1) not in link.view  # answers from now on
-    assert link.replica("b") == OTHER  # kept for the promotions that started from the view
-    ask(link, key(1))
-    link.end_step()
-    stepper.step(0.0)
-    assert sum(len(queries(shard)) for shard in shards) == 1
-
-
-def test_an_auto_link_switches_to_queries_once_requests_come_with_their_routers_answer(shards):
+def following_auto_link(shards):
+    """A link of view "auto" following shards that show 2 replicas, b holding key 1."""
     link = make_link(shards, view="auto")
     stepper = started(link)
     hold(shards, [key(1)])
@@ -358,6 +337,32 @@ def test_an_auto_link_switches_to_queries_once_requests_come_with_their_routers_
         shard.answer(("changes",))
     stepper.step(0.0)
     assert not link.queried and link.view[key(1)] == (Holder("b", "node-2", 0, 7),)
+    return link, stepper
+
+
+def asks_on_a_miss(link, stepper, shards):
+    """Whether a miss of the link's lookups is asked, in one query."""
+    ask(link, key(1))
+    link.end_step()
+    stepper.step(0.0)
+    return sum(len(queries(shard)) for shard in shards) == 1
+
+
+def test_an_auto_link_switches_to_queries_once_its_view_shows_more_replicas_than_the_bound(shards, monkeypatch):
+    monkeypatch.setattr(directory, "AUTO_PUSH_MAX_REPLICAS", 2)
+    link, stepper = following_auto_link(shards)  # 2 replicas: following
+    for shard in shards:
+        shard.state.register(ReplicaInfo("c", "node-3", "distkv-ns-c", 64, 1, 4096))
+        shard.answer(("changes",))
+    stepper.step(0.0)
+    assert link.queried
+    assert key(1) not in link.view  # answers from now on
+    assert link.replica("b") == OTHER  # kept for the promotions that started from the view
+    assert asks_on_a_miss(link, stepper, shards)
+
+
+def test_an_auto_link_switches_to_queries_once_requests_come_with_their_routers_answer(shards):
+    link, stepper = following_auto_link(shards)
     link.answers_routed()
     stepper.step(0.0)
     assert link.queried and key(1) not in link.view  # 2 replicas, yet it follows no more
@@ -365,10 +370,7 @@ def test_an_auto_link_switches_to_queries_once_requests_come_with_their_routers_
         shard.answer(("changes",))  # the polls in flight as it switched
     stepper.step(0.0)
     assert all("changes" not in shard.in_flight() for shard in shards)  # and no poll since
-    ask(link, key(1))  # a request without an answer asks
-    link.end_step()
-    stepper.step(0.0)
-    assert sum(len(queries(shard)) for shard in shards) == 1
+    assert asks_on_a_miss(link, stepper, shards)  # a request that came without an answer
 
 
 def test_a_link_told_to_push_keeps_following_whatever_requests_bring(shards):
