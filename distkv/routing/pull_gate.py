@@ -39,9 +39,8 @@ STEP_CLIP = 4.0
 
 class LinearCost:
     """Seconds as `intercept + slope * x`, fit by least squares over observations whose
-    weights decay by DECAY with each newer one. Both terms are kept >= 0: with a negative
-    intercept the line goes through the origin, with a negative slope it is flat at the
-    mean. With a single distinct x the cost is taken as proportional to x (`one_size`)."""
+    weights decay by DECAY with each newer one. Both terms are kept >= 0; with a single
+    distinct x the line goes through the origin."""
 
     __slots__ = ("_w", "_x", "_y", "_xx", "_xy", "count")
 
@@ -76,30 +75,11 @@ class LinearCost:
                 return intercept, slope
             if slope < 0:  # noise beat the trend: the mean cost, flat
                 return self._y / self._w, 0.0
-            return 0.0, self._y / self._x  # steeper than proportional: proportional
-        return self.one_size()
-
-    def one_size(self) -> tuple[float, float]:
-        """(intercept, slope) from observations of a single x: through the origin."""
-        return 0.0, self._y / self._x
+        return 0.0, self._y / self._x  # one distinct x, or a negative intercept: through the origin
 
     def predict(self, x: float) -> float:
         intercept, slope = self.line()
         return intercept + slope * x
-
-
-class PullCost(LinearCost):
-    """Seconds of a pull of x blocks: `LinearCost`'s line, but flat at the mean while the
-    pulls observed were all of one size. A pull's time is mostly fixed (its calls, the engine steps
-    its request waits) while its bytes move at GB/s, so what pulls of one size took says
-    nothing of a slope: through the origin, one pull of a block that took 20 ms would price
-    a pull of 30 blocks at 600 ms, and the gate and the router would shun the pulls that
-    save the most."""
-
-    __slots__ = ()
-
-    def one_size(self) -> tuple[float, float]:
-        return self._y / self._w, 0.0
 
 
 class PullGate:
@@ -111,7 +91,7 @@ class PullGate:
             raise ValueError(f"explore_every={explore_every} must be positive")
         self.explore_every = explore_every
         self.prefill = LinearCost()  # seconds of a prefill of x blocks
-        self.pull = {path: PullCost() for path in PATHS}  # seconds to pull x blocks
+        self.pull = {path: LinearCost() for path in PATHS}  # seconds to pull x blocks
         self.step_s: float | None = None
         self._step_ended_at: float | None = None
         # promotions in flight -> the pull of their request

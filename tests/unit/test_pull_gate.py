@@ -7,7 +7,7 @@ another node, whose gate has measured a fast prefill and a slow cross-node pull.
 
 import pytest
 
-from distkv.routing.pull_gate import EXPLORE_EVERY, LinearCost, PullCost, PullGate
+from distkv.routing.pull_gate import EXPLORE_EVERY, LinearCost, PullGate
 from test_cluster import prompt, replicas  # noqa: F401 (a fixture)
 
 MS = 1e-3
@@ -34,32 +34,6 @@ def test_a_line_is_recovered_from_what_was_observed():
     intercept, slope = fit.line()
     assert intercept == pytest.approx(0.004) and slope == pytest.approx(0.0002)
     assert fit.predict(100) == pytest.approx(0.024)
-
-
-def test_from_one_size_a_prefill_is_priced_per_block_and_a_pull_as_its_fixed_cost():
-    prefill, pull = LinearCost(), PullCost()
-    for _ in range(3):  # one size only: nothing tells the fixed part from the per-block one
-        prefill.observe(4, 0.004)
-        pull.observe(1, 0.020)
-    assert prefill.line() == pytest.approx((0.0, 0.001))  # a prefill's cost is its blocks'
-    assert pull.line() == pytest.approx((0.020, 0.0))  # a pull's is its calls and steps
-    assert pull.predict(30) == pytest.approx(0.020)  # not 30 x 20 ms
-    pull.observe(8, 0.300)  # steeper than proportional (a negative intercept): proportional
-    assert pull.line()[0] == 0.0 and pull.predict(30) > 0.300
-    for x in (1, 5, 9, 30) * 40:  # a trend, fit alike
-        pull.observe(x, 0.004 + 0.0002 * x)
-        prefill.observe(x, 0.004 + 0.0002 * x)
-    for fit in (pull, prefill):
-        assert fit.line() == pytest.approx((0.004, 0.0002), rel=0.05)
-
-
-def test_a_pull_measured_at_one_size_does_not_keep_the_gate_from_a_long_one():
-    gate = PullGate()
-    for blocks in (4, 8, 32, 16):
-        gate.observe_prefill(blocks, blocks * 5 * MS)  # 5 ms a block
-    gate.observe_pull("cross_node", 1, 20 * MS)  # the path's first pull: one block, 20 ms
-    assert not gate.should_pull("cross_node", 2)  # 20 ms against 10 ms of prefill
-    assert gate.should_pull("cross_node", 30)  # 20 ms against 150 ms
 
 
 def test_a_long_prefix_is_pulled():
