@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 
 from distkv.demo.engine import BLOCK_TRANSPORTS, SOURCES
+from distkv.demo.workload import Request, oracle_hit_tokens
 
 TOKEN_ROWS = (
     ("local", "from the replica's own pool"),
@@ -82,6 +83,7 @@ class ArmTally:
         self.replica_stats: dict[str, Mapping[str, Any]] = {}  # each replica's latest
         self._warm_stats: dict[str, Mapping[str, Any]] = {}  # each replica's after its warm-up
         self.router: dict[str, Any] = {}  # what distkv's router measured (`router_figures`)
+        self.times: dict[int, tuple[float, float]] = {}  # trace index -> (started, answered), client's clock
 
     def router_figures(self, router: Any) -> None:
         """What the arm's request router measured, if it is distkv's: its Directory queries'
@@ -105,7 +107,10 @@ class ArmTally:
         if result.get("stats"):
             self._warm_stats[result["replica"]] = result["stats"]
 
-    def add(self, result: Mapping[str, Any], client_ttft_s: float) -> None:
+    def add(self, index: int, result: Mapping[str, Any], client_ttft_s: float, answered_at: float) -> None:
+        """The result of the trace's request `index`, answered at `answered_at`
+        (time.perf_counter) `client_ttft_s` after it was sent."""
+        self.times[index] = (answered_at - result["ttft_s"], answered_at)  # started: the engine's part before
         self.prompt_tokens += result["tokens"]
         for source, blocks in result["blocks_by_source"].items():
             self.hit_blocks[source] += blocks
@@ -211,14 +216,20 @@ class ArmTally:
 
 
 def summarize(
-    arms: Mapping[str, ArmTally], verifier: Verifier, oracle_hit_tokens: int, setup: Mapping[str, Any]
+    arms: Mapping[str, ArmTally], verifier: Verifier, trace: Sequence[Request], setup: Mapping[str, Any]
 ) -> dict[str, Any]:
-    """The JSON document: the setup, each arm's summary, the verification over all arms."""
+    """The JSON document, once every arm has run the trace: the setup, each arm's summary beside the oracle's hit rates (one
+    infinite cache shared by all: on the trace, and on the trace as the arm ran it, where a
+    request cannot hit what requests answered after it started compute), the verification
+    over all arms."""
     verified, mismatches = verifier.verify()
     out = {}
     for name, tally in arms.items():
         summary = tally.summary(verifier.computed_elsewhere(name))
-        summary["oracle_hit_rate"] = oracle_hit_tokens / tally.prompt_tokens if tally.prompt_tokens else 0.0
+        as_run = [tally.times[i] for i in range(len(trace))]
+        for field, times in (("oracle_hit_rate", None), ("oracle_hit_rate_as_run", as_run)):
+            hits = oracle_hit_tokens(trace, tally.block_tokens, times)
+            summary[field] = hits / tally.prompt_tokens if tally.prompt_tokens else 0.0
         summary["first_tokens_as_offloading_off"] = verifier.same_first_tokens(name)
         out[name] = summary
     return {

@@ -37,7 +37,7 @@ from distkv.demo.model import ModelConfig
 from distkv.demo.report import ArmTally, Verifier, summarize
 from distkv.demo.request import DemoRequest
 from distkv.demo.table import format_table
-from distkv.demo.workload import Request, WorkloadConfig, generate, oracle_hit_tokens
+from distkv.demo.workload import Request, WorkloadConfig, generate
 from distkv.storage.segments import reclaim_stale_segments
 
 OBJECT_STORE_BYTES = 256 << 20  # per simulated node: promotions in flight are a few MiB
@@ -116,7 +116,6 @@ def run(args: argparse.Namespace) -> int:
 
     started = time.perf_counter()
     trace = generate(workload)
-    oracle = oracle_hit_tokens(trace, args.block_tokens)
     block_bytes = 2 * model.page_bytes(args.block_tokens)
     demo = Demo(args, model, workload.max_prompt_tokens, log)
     seconds: dict[str, float] = {}
@@ -139,8 +138,11 @@ def run(args: argparse.Namespace) -> int:
             t = time.perf_counter()
             tally = tallies[arm.name] = ArmTally(args.block_tokens, block_bytes, args.replicas)
 
-            def add(i: int, result: dict[str, Any], client_ttft_s: float, arm: Arm = arm, tally: ArmTally = tally) -> None:
-                tally.add(result, client_ttft_s)
+            def add(
+                i: int, result: dict[str, Any], client_ttft_s: float, answered_at: float, arm: Arm = arm,
+                tally: ArmTally = tally,
+            ) -> None:
+                tally.add(i, result, client_ttft_s, answered_at)
                 verifier.add(arm.name, i, result)
 
             demo.run_arm(arm, trace, add, tally.warmed, tally.router_figures, lambda tally=tally: _status(tally))
@@ -163,7 +165,7 @@ def run(args: argparse.Namespace) -> int:
         "workload": asdict(workload),
         "seconds": seconds,
     }
-    summary = summarize(tallies, verifier, oracle, setup)
+    summary = summarize(tallies, verifier, trace, setup)
     if args.json:
         json.dump(summary, sys.stdout, indent=2)
         print()
@@ -306,7 +308,8 @@ class Demo:
         status: Callable[[], str],
     ) -> None:
         """Move the deployment to `arm` (deploying it first), warm it up (`warmed` gets
-        those results), send it the trace (`on_result` gets each request's result), and hand
+        those results), send it the trace (`on_result` gets each request's index, its result,
+        its TTFT as the client saw it and when it was answered), and hand
         `report_router` the handle's request router."""
         from ray import serve
         from ray.serve.config import RequestRouterConfig
@@ -375,10 +378,11 @@ class Demo:
         """Send the trace in order, a window of requests at a time; a conversation's turn
         goes out once its previous turn is answered."""
 
-        async def call(request: Request) -> tuple[dict[str, Any], float]:
+        async def call(request: Request) -> tuple[dict[str, Any], float, float]:
             sent = time.perf_counter()
             result = await handle.remote(DemoRequest(request.tokens.tolist()))
-            return result, time.perf_counter() - sent
+            answered = time.perf_counter()
+            return result, answered - sent, answered
 
         pending: dict[asyncio.Task, int] = {}
         answered = [False] * len(trace)
@@ -395,8 +399,8 @@ class Demo:
                 raise TimeoutError(f"no request answered in {REQUEST_TIMEOUT_S:.0f} s")
             for task in finished:
                 i = pending.pop(task)
-                result, client_ttft_s = task.result()
-                on_result(i, result, client_ttft_s)
+                result, client_ttft_s, answered_at = task.result()
+                on_result(i, result, client_ttft_s, answered_at)
                 answered[i] = True
                 done += 1
                 progress.update(done)

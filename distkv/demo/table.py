@@ -33,6 +33,7 @@ def format_table(s: Mapping[str, Any]) -> str:
     for name, label in TOKEN_ROWS:
         row(f"  {label}", lambda a, name=name: f"{a['tokens'][name] / max(a['prompt_tokens'], 1):.1%}")
     row("hit rate", lambda a: f"{a['hit_rate']:.1%}")
+    row("  oracle, the trace as this arm ran", lambda a: f"{a['oracle_hit_rate_as_run']:.1%}")
     row("bytes moved, same node", lambda a: _mib(a["transfers"]["same_node_promotion"]["bytes"]))
     row("bytes moved, another node", lambda a: _mib(a["transfers"]["cross_node_promotion"]["bytes"]))
     for transport in ("nixl", "object_store"):

@@ -10,6 +10,7 @@ replicas, so most prefixes a request could reuse were computed on another replic
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -99,18 +100,28 @@ def generate(config: WorkloadConfig) -> list[Request]:
     return trace
 
 
-def oracle_hit_tokens(trace: list[Request], block_tokens: int) -> int:
+def oracle_hit_tokens(
+    trace: Sequence[Request], block_tokens: int, times: Sequence[tuple[float, float]] | None = None
+) -> int:
     """Prompt tokens one infinite cache shared by every replica would serve on this trace.
 
-    Requests in trace order; each hits its longest prefix of full blocks seen before.
+    Each request hits its longest prefix of full blocks that a request answered before it
+    started computed. `times`: each request's (start, answer) in a run, in trace order; by
+    default each starts once the one before it is answered: the most any cache serves.
     """
-    seen: set[bytes] = set()
+    if times is None:
+        times = [(i, i) for i in range(len(trace))]
+    if len(times) != len(trace):
+        raise ValueError(f"times has {len(times)} requests' times, the trace {len(trace)} requests")
+    keys = [block_keys(r.tokens, block_tokens) for r in trace]
+    answered: dict[bytes, float] = {}  # block -> when the first request that computed it was answered
+    for request_keys, (_, answered_at) in zip(keys, times):
+        for key in request_keys:
+            answered[key] = min(answered.get(key, answered_at), answered_at)
     hits = 0
-    for request in trace:
-        keys = block_keys(request.tokens, block_tokens)
+    for request_keys, (started_at, _) in zip(keys, times):
         hit = 0
-        while hit < len(keys) and keys[hit] in seen:
+        while hit < len(request_keys) and answered[request_keys[hit]] < started_at:
             hit += 1
         hits += hit * block_tokens
-        seen.update(keys)
     return hits

@@ -74,6 +74,7 @@ def test_every_field_is_there_and_the_figures_agree(document):
         assert all(tokens[s] % block_tokens == 0 for s in ("local", "same_node", "cross_node"))
         assert arm["hit_rate"] == pytest.approx(hit_tokens / arm["prompt_tokens"])
         assert arm["hit_rate"] <= arm["oracle_hit_rate"] <= 1
+        assert 0 < arm["oracle_hit_rate_as_run"] <= arm["oracle_hit_rate"]
         assert 0 < arm["ttft_s"]["p50"] <= arm["ttft_s"]["p99"]
         assert set(transfers) == {"local_load", "same_node_promotion", "cross_node_promotion"}
         for path in transfers.values():

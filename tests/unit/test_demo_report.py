@@ -1,10 +1,12 @@
 """The demo's report: each arm's figures, and every loaded block checked against what the
 replicas that computed it recorded."""
 
+import numpy as np
 import pytest
 
 from distkv.demo.report import ArmTally, Verifier, ratios, summarize
 from distkv.demo.table import format_table
+from distkv.demo.workload import Request
 
 BLOCK_TOKENS = 16
 BLOCK_BYTES = 8192
@@ -54,8 +56,8 @@ def test_loaded_blocks_must_match_a_digest_recorded_for_their_key():
 
 def test_requests_per_replica_count_the_replicas_the_router_sent_nothing():
     tally = ArmTally(BLOCK_TOKENS, BLOCK_BYTES, replicas=2)
-    for _ in range(4):
-        tally.add(result("a", 40, none(), [], []), 0.02)
+    for i in range(4):
+        tally.add(i, result("a", 40, none(), [], []), 0.02, answered_at=i)
     assert tally.summary(0)["requests_per_replica"] == {"max": 4, "mean": 2.0, "max_over_mean": 2.0}
 
 
@@ -68,7 +70,7 @@ def test_an_arms_figures_add_up_its_warm_up_left_out_and_render():
     verifier, arms = Verifier(), {"off": ArmTally(BLOCK_TOKENS, BLOCK_BYTES, replicas=2)}
     for i in range(2):
         r = result("a", 40, none(), [], [], ttft=0.02)
-        arms["off"].add(r, 0.03)
+        arms["off"].add(i, r, 0.03, answered_at=i)  # one at a time: ttft 0.02
         verifier.add("off", i, r)
     tally = arms["distkv-router"] = ArmTally(BLOCK_TOKENS, BLOCK_BYTES, replicas=2)
     tally.warmed(result("b", 40, none(), [], [], stats=stats(cross_node_bytes=BLOCK_BYTES, holder=3)))
@@ -76,13 +78,17 @@ def test_an_arms_figures_add_up_its_warm_up_left_out_and_render():
     second = result("b", 40, none(same_node=1, cross_node=1), [(b"k1", 1), (b"k2", 2)], [], ttft=0.05,
                     stats=stats(cross_node_bytes=2 * BLOCK_BYTES, skipped=2, holder=5))
     for i, (r, client) in enumerate(((first, 0.02), (second, 0.08))):
-        tally.add(r, client)
+        tally.add(i, r, client, answered_at=0.1)  # both computed at once
         verifier.add("distkv-router", i, r)
-    s = summarize(arms, verifier, oracle_hit_tokens=32, setup={"workload": {"requests": 2}, "seconds": dict.fromkeys(
+    prompt = np.arange(40)  # 2 full blocks, the second request's the first's
+    trace = [Request(prompt, 0, None, 0, None), Request(prompt, 0, None, 0, None)]
+    s = summarize(arms, verifier, trace, setup={"workload": {"requests": 2}, "seconds": dict.fromkeys(
         ("start", "off", "distkv-router", "shutdown", "total"), 1.0)})
     arm = s["arms"]["distkv-router"]
     assert arm["tokens"] == {"local": 0, "same_node": 16, "cross_node": 16, "recomputed": 48}
     assert arm["hit_rate"] == arm["oracle_hit_rate"] == 32 / 80
+    assert arm["oracle_hit_rate_as_run"] == 0  # the second started before the first was answered
+    assert s["arms"]["off"]["oracle_hit_rate_as_run"] == 32 / 80
     assert arm["ttft_s"]["p50"] == pytest.approx(0.05)  # as the client saw it
     # b's stats since its warm-up: one more block across nodes, 2 skipped, 2 routed to it as the holder
     assert arm["transfers"]["cross_node_promotion"]["blocks"] == 1

@@ -90,6 +90,24 @@ def test_oracle_does_not_depend_on_the_order(seed, order_seed):
     assert oracle_hit_tokens(shuffled, BLOCK_TOKENS) == oracle_hit_tokens(trace, BLOCK_TOKENS)
 
 
+def test_oracle_as_run_counts_only_blocks_answered_before_a_request_started():
+    a = np.arange(48)
+    trace = [request(a), request(np.concatenate([a, np.arange(100, 116)])), request(a[:32])]
+    # (started, answered): 1 starts while 0 computes; 2 starts once 1 is answered, 0 still computing
+    times = [(0.0, 3.0), (0.5, 1.0), (2.0, 2.5)]
+    # 1 hits nothing; 2 the 2 blocks 1 computed; 0 nothing, though 1 was answered first
+    assert oracle_hit_tokens(trace, BLOCK_TOKENS, times) == 32
+    one_at_a_time = [(0.0, 1.0), (1.5, 2.0), (2.5, 3.0)]
+    assert oracle_hit_tokens(trace, BLOCK_TOKENS, one_at_a_time) == oracle_hit_tokens(trace, BLOCK_TOKENS) == 48 + 32
+    all_at_once = [(0.0, 1.0)] * 3
+    assert oracle_hit_tokens(trace, BLOCK_TOKENS, all_at_once) == 0
+
+
+def test_oracle_as_run_needs_each_requests_times():
+    with pytest.raises(ValueError, match="times has 1 requests' times, the trace 2 requests"):
+        oracle_hit_tokens([request(np.arange(16))] * 2, BLOCK_TOKENS, [(0.0, 1.0)])
+
+
 def test_bad_config_is_refused():
     with pytest.raises(ValueError, match="turns"):
         WorkloadConfig(turns=0)
