@@ -32,6 +32,7 @@ import ray
 
 from distkv.config import TRANSPORTS, DistkvConfig
 from distkv.demo.arms import ARMS, DEFAULT_ARMS, Arm, parse_arms
+from distkv.demo.arrivals import ClosedLoop, OpenLoop
 from distkv.demo.engine import demo_spec
 from distkv.demo.model import ModelConfig
 from distkv.demo.report import ArmTally, Verifier, summarize
@@ -60,7 +61,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     cluster.add_argument("--replicas", type=int, default=4, help="engine replicas (default 4)")
     cluster.add_argument("--nodes", type=int, default=2, help="simulated nodes of the embedded cluster (default 2)")
     cluster.add_argument("--address", help="join this Ray cluster (e.g. auto, host:port) instead of starting one")
-    cluster.add_argument("--in-flight", type=int, help="requests in flight at once (default: twice the replicas)")
+    cluster.add_argument(
+        "--in-flight", type=int, help="requests in flight at once, a closed loop (default: twice the replicas)"
+    )
+    cluster.add_argument(
+        "--rate", type=float, metavar="PER_S",
+        help="send requests at Poisson arrivals of this many a second instead, an open loop (as vLLM's "
+        "benchmark_serving --request-rate); a conversation's turn still waits for its previous turn's answer",
+    )
     cluster.add_argument("--pool-mib", type=int, default=256, help="host pool per replica, MiB (default 256)")
     cluster.add_argument("--block-tokens", type=int, default=16, help="tokens per KV block (default 16)")
     cluster.add_argument(
@@ -109,6 +117,8 @@ def run(args: argparse.Namespace) -> int:
                 raise ValueError(f"--{name.replace('_', '-')} must be positive")
         if args.in_flight is not None and args.in_flight < 1:
             raise ValueError("--in-flight must be positive")
+        if args.rate is not None and not (0 < args.rate < math.inf):
+            raise ValueError("--rate must be a positive number of requests a second")
         arms = parse_arms(args.arms)
     except ValueError as e:
         print(f"distkv demo: {e}", file=sys.stderr)
@@ -131,7 +141,8 @@ def run(args: argparse.Namespace) -> int:
             f"{args.block_tokens}-token block), {len(trace)} requests: {conversations} conversations and "
             f"{sum(r.conversation is None for r in trace)} one-off, behind {workload.system_prompts} system "
             f"prompts of {workload.system_tokens} tokens"
-            + (f" drawn with Zipf skew {workload.skew}" if workload.skew else ""),
+            + (f" drawn with Zipf skew {workload.skew}" if workload.skew else "")
+            + f", sent in {demo.sending}",
             file=log,
         )
         for arm in arms:
@@ -163,6 +174,8 @@ def run(args: argparse.Namespace) -> int:
         "block_tokens": args.block_tokens,
         "block_bytes": block_bytes,
         "workload": asdict(workload),
+        "in_flight": None if args.rate else demo.window,
+        "rate": args.rate,
         "seconds": seconds,
     }
     summary = summarize(tallies, verifier, trace, setup)
@@ -250,6 +263,9 @@ class Demo:
         self.log = log
         self.run_id = uuid.uuid4().hex[:8]
         self.window = args.in_flight or 2 * args.replicas
+        self.sending = (
+            OpenLoop(args.rate, args.seed, REQUEST_TIMEOUT_S) if args.rate else ClosedLoop(self.window, REQUEST_TIMEOUT_S)
+        )
         self.cluster = None
         self.node_ids: list[str] = []
         self.device = "?"
@@ -353,7 +369,15 @@ class Demo:
         handle = populated_handle(lambda: DeploymentHandle(DEPLOYMENT, APP), HANDLE_POPULATED_S, REQUEST_TIMEOUT_S)
         asyncio.run(self._warm_up(handle, warmed))
         progress = Progress(arm.label, len(trace), self.log, status)
-        asyncio.run(self._send(handle, trace, on_result, progress))
+
+        def answered(*result: Any) -> None:
+            on_result(*result)
+            progress.update()
+
+        async def call(request: Request) -> dict[str, Any]:
+            return await handle.remote(DemoRequest(request.tokens.tolist()))
+
+        asyncio.run(self.sending.send(call, trace, answered))
         progress.finish()
         report_router(_request_router(handle))
         handle.shutdown()  # its router stops following the deployment
@@ -373,37 +397,6 @@ class Demo:
             raise TimeoutError(f"the warm-up's requests were not answered in {REQUEST_TIMEOUT_S:.0f} s") from None
         for result in results:
             warmed(result)
-
-    async def _send(self, handle: Any, trace: list[Request], on_result: Callable, progress: "Progress") -> None:
-        """Send the trace in order, a window of requests at a time; a conversation's turn
-        goes out once its previous turn is answered."""
-
-        async def call(request: Request) -> tuple[dict[str, Any], float, float]:
-            sent = time.perf_counter()
-            result = await handle.remote(DemoRequest(request.tokens.tolist()))
-            answered = time.perf_counter()
-            return result, answered - sent, answered
-
-        pending: dict[asyncio.Task, int] = {}
-        answered = [False] * len(trace)
-        sent = done = 0
-        while sent < len(trace) or pending:
-            while sent < len(trace) and len(pending) < self.window:
-                after = trace[sent].after
-                if after is not None and not answered[after]:
-                    break
-                pending[asyncio.ensure_future(call(trace[sent]))] = sent
-                sent += 1
-            finished, _ = await asyncio.wait(pending, timeout=REQUEST_TIMEOUT_S, return_when=asyncio.FIRST_COMPLETED)
-            if not finished:
-                raise TimeoutError(f"no request answered in {REQUEST_TIMEOUT_S:.0f} s")
-            for task in finished:
-                i = pending.pop(task)
-                result, client_ttft_s, answered_at = task.result()
-                on_result(i, result, client_ttft_s, answered_at)
-                answered[i] = True
-                done += 1
-                progress.update(done)
 
     def _wait_for_directory(self, namespace: str, num_shards: int) -> None:
         """Until every replica is registered with every Directory shard (the shards start
@@ -496,8 +489,12 @@ class Progress:
         self.started = time.perf_counter()
         self._shown_at = 0.0
         self._shown_tenths = -1
+        self.done = 0
 
-    def update(self, done: int) -> None:
+    def update(self) -> None:
+        """One more request answered."""
+        self.done += 1
+        done = self.done
         now = time.perf_counter()
         if self.tty:
             if now - self._shown_at >= 0.1 or done == self.total:

@@ -103,9 +103,22 @@ def test_every_field_is_there_and_the_figures_agree(document):
     assert doc["model"]["dim"] == 64 and doc["workload"]["requests"] == 24
 
 
-def test_arms_are_checked_before_anything_starts():
+def test_arguments_are_checked_before_anything_starts():
     done = run_demo("--arms", "distkv,sideways", timeout=60)
     assert done.returncode == 2 and "--arms 'distkv,sideways'" in done.stderr
+    done = run_demo("--rate", "0", timeout=60)
+    assert done.returncode == 2 and "--rate must be a positive number" in done.stderr
+
+
+def test_an_open_loop_serves_the_trace_at_its_rate():
+    done = run_demo(*SMALL, "--json", "--arms", "distkv-router", "--rate", "40")
+    assert done.returncode == 0, done.stderr[-3000:]
+    doc = json.loads(done.stdout)
+    assert "an open loop of 40 requests a second" in done.stderr
+    assert (doc["rate"], doc["in_flight"]) == (40, None)
+    arm = doc["arms"]["distkv-router"]
+    assert arm["requests"] == 24 and arm["hit_rate"] > 0
+    assert doc["mismatches"] == 0 and doc["blocks_verified"] > 0
 
 
 def test_ctrl_c_cleans_up():
