@@ -11,6 +11,7 @@ offloading off first, then the three rotated by i (a Latin square over every 3 r
 Three traces: the demo's default; `--skew` (one hot system prompt); a pool too small for the
 working set (`--pool-mib 32`). For each ratio the table gives the median of the runs and
 every run's value, and where each arm's slowest requests (p99 and over) spent their time.
+The demo's own arguments pass through: `--rate 20` measures the same in an open loop.
 
 `--overhead` times instead the routers' own decisions in this process (no Ray): Serve's
 default router (power of two choices, its pick of the shorter queue included) and distkv's
