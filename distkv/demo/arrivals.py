@@ -40,7 +40,7 @@ class ClosedLoop:
 
     def __init__(self, in_flight: int, timeout_s: float) -> None:
         if in_flight < 1:
-            raise ValueError(f"in_flight={in_flight} must be positive")
+            raise ValueError(f"{in_flight} requests in flight: must be at least 1")
         self.in_flight = in_flight
         self.timeout_s = timeout_s
 
@@ -74,7 +74,7 @@ class OpenLoop:
 
     def __init__(self, rate: float, seed: int, timeout_s: float) -> None:
         if not rate > 0 or not np.isfinite(rate):
-            raise ValueError(f"rate={rate} must be a positive number of requests a second")
+            raise ValueError(f"a rate of {rate} requests a second: must be a positive number")
         self.rate = rate
         self.seed = seed
         self.timeout_s = timeout_s

@@ -218,10 +218,10 @@ class ArmTally:
 def summarize(
     arms: Mapping[str, ArmTally], verifier: Verifier, trace: Sequence[Request], setup: Mapping[str, Any]
 ) -> dict[str, Any]:
-    """The JSON document, once every arm has run the trace: the setup, each arm's summary beside the oracle's hit rates (one
-    infinite cache shared by all: on the trace, and on the trace as the arm ran it, where a
-    request cannot hit what requests answered after it started compute), the verification
-    over all arms."""
+    """The JSON document, once every arm has run the trace: the setup, each arm's summary
+    beside the oracle's hit rates (one infinite cache shared by all: on the trace, and on the
+    trace as the arm ran it, where a request cannot hit what requests answered after it
+    started compute), the verification over all arms."""
     verified, mismatches = verifier.verify()
     out = {}
     for name, tally in arms.items():

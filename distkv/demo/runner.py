@@ -115,10 +115,11 @@ def run(args: argparse.Namespace) -> int:
         for name in ("replicas", "nodes", "pool_mib", "block_tokens"):
             if getattr(args, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be positive")
-        if args.in_flight is not None and args.in_flight < 1:
-            raise ValueError("--in-flight must be positive")
-        if args.rate is not None and not (0 < args.rate < math.inf):
-            raise ValueError("--rate must be a positive number of requests a second")
+        window = 2 * args.replicas if args.in_flight is None else args.in_flight
+        if args.rate is None:
+            sending: ClosedLoop | OpenLoop = ClosedLoop(window, REQUEST_TIMEOUT_S)
+        else:
+            sending = OpenLoop(args.rate, args.seed, REQUEST_TIMEOUT_S)
         arms = parse_arms(args.arms)
     except ValueError as e:
         print(f"distkv demo: {e}", file=sys.stderr)
@@ -127,7 +128,7 @@ def run(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     trace = generate(workload)
     block_bytes = 2 * model.page_bytes(args.block_tokens)
-    demo = Demo(args, model, workload.max_prompt_tokens, log)
+    demo = Demo(args, model, workload.max_prompt_tokens, sending, window, log)
     seconds: dict[str, float] = {}
     tallies: dict[str, ArmTally] = {}
     verifier = Verifier()
@@ -174,7 +175,7 @@ def run(args: argparse.Namespace) -> int:
         "block_tokens": args.block_tokens,
         "block_bytes": block_bytes,
         "workload": asdict(workload),
-        "in_flight": None if args.rate else demo.window,
+        "in_flight": None if args.rate is not None else window,
         "rate": args.rate,
         "seconds": seconds,
     }
@@ -256,16 +257,19 @@ def _status(tally: ArmTally) -> str:
 class Demo:
     """The cluster the demo runs on and each arm's Serve application: started, used, cleaned up."""
 
-    def __init__(self, args: argparse.Namespace, model: ModelConfig, max_prompt_tokens: int, log: TextIO):
+    def __init__(
+        self, args: argparse.Namespace, model: ModelConfig, max_prompt_tokens: int, sending: ClosedLoop | OpenLoop,
+        window: int, log: TextIO,
+    ):
+        """`sending`: how the client sends each arm its trace; `window`: the requests a
+        replica takes at once (and the warm-up's)."""
         self.args = args
         self.model = model
         self.max_prompt_tokens = max_prompt_tokens
+        self.sending = sending
+        self.window = window
         self.log = log
         self.run_id = uuid.uuid4().hex[:8]
-        self.window = args.in_flight or 2 * args.replicas
-        self.sending = (
-            OpenLoop(args.rate, args.seed, REQUEST_TIMEOUT_S) if args.rate else ClosedLoop(self.window, REQUEST_TIMEOUT_S)
-        )
         self.cluster = None
         self.node_ids: list[str] = []
         self.device = "?"

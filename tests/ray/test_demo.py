@@ -50,13 +50,16 @@ def test_blocks_are_shared_across_nodes_and_every_loaded_block_checks_out(docume
     doc, log = document
     assert "Ray dashboard: http://" in log
     assert doc["replicas"] == 2 and doc["nodes"] == 2 and list(doc["arms"]) == list(ARMS)
-    for name in ("distkv", "distkv-router"):
-        arm = doc["arms"][name]
-        assert arm["requests"] == 24
-        assert arm["tokens"]["cross_node"] > 0, name
-        assert arm["transfers"]["cross_node_promotion"]["blocks"] > 0, name
-        assert arm["hit_tokens_computed_by_another_replica"] > 0, name
-    assert doc["arms"]["distkv-router"]["routed"]["holder"] > 0  # its router sent requests to their prefixes
+    assert doc["arms"]["distkv-router"]["requests"] == 24
+    # Serve's default router lands requests away from their prefixes: they pull them
+    arm = doc["arms"]["distkv"]
+    assert arm["requests"] == 24
+    assert arm["tokens"]["cross_node"] > 0
+    assert arm["transfers"]["cross_node_promotion"]["blocks"] > 0
+    assert arm["hit_tokens_computed_by_another_replica"] > 0
+    # distkv's router sends them to their prefixes: the few blocks it still pulls across nodes
+    # are not something to require
+    assert doc["arms"]["distkv-router"]["routed"]["holder"] > 0
     assert doc["mismatches"] == 0 and doc["load_failures"] == 0
     assert doc["blocks_verified"] > 0
 
@@ -107,7 +110,7 @@ def test_arguments_are_checked_before_anything_starts():
     done = run_demo("--arms", "distkv,sideways", timeout=60)
     assert done.returncode == 2 and "--arms 'distkv,sideways'" in done.stderr
     done = run_demo("--rate", "0", timeout=60)
-    assert done.returncode == 2 and "--rate must be a positive number" in done.stderr
+    assert done.returncode == 2 and "a rate of 0.0 requests a second: must be a positive number" in done.stderr
 
 
 def test_an_open_loop_serves_the_trace_at_its_rate():
