@@ -115,6 +115,8 @@ def run(args: argparse.Namespace) -> int:
         for name in ("replicas", "nodes", "pool_mib", "block_tokens"):
             if getattr(args, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be positive")
+        if args.in_flight is not None and args.in_flight < 1:  # a replica's concurrency in either loop
+            raise ValueError("--in-flight must be positive")
         window = 2 * args.replicas if args.in_flight is None else args.in_flight
         if args.rate is None:
             sending: ClosedLoop | OpenLoop = ClosedLoop(window, REQUEST_TIMEOUT_S)

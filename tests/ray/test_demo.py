@@ -111,6 +111,8 @@ def test_arguments_are_checked_before_anything_starts():
     assert done.returncode == 2 and "--arms 'distkv,sideways'" in done.stderr
     done = run_demo("--rate", "0", timeout=60)
     assert done.returncode == 2 and "a rate of 0.0 requests a second: must be a positive number" in done.stderr
+    done = run_demo("--rate", "5", "--in-flight", "0", timeout=60)
+    assert done.returncode == 2 and "--in-flight must be positive" in done.stderr
 
 
 def test_an_open_loop_serves_the_trace_at_its_rate():
