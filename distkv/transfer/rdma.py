@@ -18,6 +18,7 @@ import secrets
 import sys
 import threading
 import time
+import types
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -113,19 +114,22 @@ class NixlRead:
 class NixlAgent:
     """This process's NIXL agent: registers memory, reads what peers registered.
 
-    NIXL's own progress thread polls without pause (a core per agent); UCX needs progress
-    on both sides (the holder's too, for a reader's connection to complete), so a thread
-    of ours progresses the agent every PROGRESS_S instead, and a reader's polling of its
-    reads progresses them. Every call into NIXL takes one lock, so any thread may use it.
+    UCX needs progress on both sides (the holder's too, for a reader's connection to
+    complete): NIXL's progress thread makes it, sleeping in poll() on the UCX workers'
+    event descriptors until an event (a peer connecting, a read completing) or
+    PROGRESS_DELAY_US, and a reader's polling of its reads progresses them. Every call of
+    ours into NIXL takes one lock, so any thread may use it.
     """
 
-    PROGRESS_S = 0.005
+    # The progress thread's wake-up when no event came (NIXL keeps one against events
+    # poll() may miss); events wake it at once.
+    PROGRESS_DELAY_US = 100_000
 
     def __init__(self, name: str | None = None) -> None:
         api = load_nixl()
         self.name = name or f"distkv-{os.getpid()}-{secrets.token_hex(4)}"
         try:
-            self._agent = api.nixl_agent(self.name, api.nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
+            self._agent = _agent_waking_on_events(api, self.name, self.PROGRESS_DELAY_US)
         except Exception as e:
             raise RdmaUnavailable(
                 f"NIXL's UCX agent did not start ({e}): check UCX on this host, or set 'transport' to 'object_store'"
@@ -133,17 +137,6 @@ class NixlAgent:
         self._lock = threading.Lock()
         self._registrations: list[Any] = []
         self._peers: dict[str, str] = {}  # agent name -> the name NIXL gave it here
-        self._stop = threading.Event()
-        self._progress = threading.Thread(target=self._progress_loop, name="distkv-nixl-progress", daemon=True)
-        self._progress.start()
-
-    def _progress_loop(self) -> None:
-        while not self._stop.wait(self.PROGRESS_S):
-            try:
-                with self._lock:
-                    self._agent.get_new_notifs()
-            except Exception:
-                logger.debug("NIXL progress failed", exc_info=True)
 
     def register(self, address: int, nbytes: int, mem_type: str = MEM_TYPE, device: int = 0) -> None:
         """Make [address, address + nbytes) of this process readable and writable by reads:
@@ -197,9 +190,8 @@ class NixlAgent:
         return len(self._peers)
 
     def close(self) -> None:
-        """Stop progressing, forget every peer and release every registration."""
-        self._stop.set()
-        self._progress.join()
+        """Forget every peer and release every registration; the agent and its progress
+        thread go once no read of it is held any more."""
         for agent_name in list(self._peers):
             self.forget(agent_name)
         with self._lock:
@@ -208,12 +200,42 @@ class NixlAgent:
                     self._agent.deregister_memory(self._registrations.pop())
                 except Exception:
                     pass
+            self._agent = None
 
     def _connect(self, remote: PoolEndpoint) -> str:
         peer = self._peers.get(remote.agent_name)
         if peer is None:
             peer = self._peers[remote.agent_name] = self._agent.add_remote_agent(remote.agent_metadata)
         return peer
+
+
+def _agent_waking_on_events(api: Any, name: str, progress_delay_us: int) -> Any:
+    """NIXL's agent (`api.nixl_agent`, UCX backend) with its progress thread on, sleeping
+    up to `progress_delay_us` between UCX events.
+
+    NIXL's Python API gives the agent's C++ config a delay of 0 and no way to set another;
+    with 0 the progress thread polls without sleeping, a core per agent. The API's own
+    constructor runs here unchanged, but sees its bindings module through a view whose
+    config keeps this delay: nothing outside this agent changes."""
+    bindings = api.nixlBind
+    base = bindings.nixlAgentConfig
+
+    class DelayedConfig(base):
+        pthrDelay = property(lambda self: base.pthrDelay.__get__(self), lambda self, _: base.pthrDelay.__set__(self, progress_delay_us))
+
+    class Bindings:
+        nixlAgentConfig = DelayedConfig
+
+        def __getattr__(self, attr: str) -> Any:
+            return getattr(bindings, attr)
+
+    init = api.nixl_agent.__init__
+    if init.__globals__.get("nixlBind") is not bindings:
+        raise RuntimeError(f"this NIXL's Python API ({api.__name__}) does not build its agents as distkv expects")
+    construct = types.FunctionType(init.__code__, {**init.__globals__, "nixlBind": Bindings()}, init.__name__, init.__defaults__, init.__closure__)
+    agent = api.nixl_agent.__new__(api.nixl_agent)
+    construct(agent, name, api.nixl_agent_config(enable_prog_thread=True, backends=["UCX"]))
+    return agent
 
 
 class QueuedRead:

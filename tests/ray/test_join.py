@@ -123,7 +123,7 @@ def test_a_join_that_fails_closes_what_it_started(ray_session, monkeypatch, fail
         group_page_bytes=[2 * PAGE_BYTES],
         engine_id=f"r{uuid.uuid4().hex[:8]}",
     )
-    replica_threads = {"distkv-promoter", "distkv-nixl-reads", "distkv-nixl-progress", f"distkv-directory-{spec.replica_id}"}
+    replica_threads = {"distkv-promoter", "distkv-nixl-reads", f"distkv-directory-{spec.replica_id}"}
     monkeypatch.setattr(*FAILURES[failure], fail)
     try:
         with pytest.raises(Injected):

@@ -189,6 +189,22 @@ def test_a_read_from_a_killed_holder_fails_without_hanging(holder, reader):
     assert agent.num_peers == 0
 
 
+def test_connected_agents_at_rest_take_next_to_no_cpu(holder, reader):
+    """NIXL's progress thread sleeps until UCX has an event: a reader that has read and
+    the holder it read from, both idle, take next to no CPU (NIXL's Python API alone
+    starts that thread polling without pause: a core per agent)."""
+    import psutil
+
+    process, _, endpoint = holder
+    pool, agent, scratch = reader
+    assert promote(agent, endpoint, pool, scratch, remote_row=3, local_row=5, generation=7) is not None
+    holder_process = psutil.Process(process.pid)
+    ours, theirs = time.process_time(), sum(holder_process.cpu_times()[:2])
+    time.sleep(1.0)
+    ours, theirs = time.process_time() - ours, sum(holder_process.cpu_times()[:2]) - theirs
+    assert ours < 0.25 and theirs < 0.25, f"CPU seconds in a second at rest: reader {ours:.3f}, holder {theirs:.3f}"
+
+
 def test_without_nixl_the_error_says_how_to_get_it(monkeypatch):
     monkeypatch.setitem(sys.modules, "nixl", None)
     with pytest.raises(RdmaUnavailable, match=r"pip install 'ray-distkv\[rdma\]'"):

@@ -198,14 +198,11 @@ def test_nixl_missing_stops_a_replica_that_asked_for_it(pool, monkeypatch):
 
 
 def test_a_nixl_agent_that_does_not_start_stops_a_replica_that_asked_for_it(pool, monkeypatch):
-    class NoUcx:
-        def nixl_agent_config(self, **kw):
-            return kw
+    def no_ucx(api, name, progress_delay_us):
+        raise RuntimeError("no UCX backend")
 
-        def nixl_agent(self, name, config):
-            raise RuntimeError("no UCX backend")
-
-    monkeypatch.setattr("distkv.transfer.rdma.load_nixl", NoUcx)
+    monkeypatch.setattr("distkv.transfer.rdma.load_nixl", object)
+    monkeypatch.setattr("distkv.transfer.rdma._agent_waking_on_events", no_ucx)
     with pytest.raises(ValueError, match=r"'transport'='nixl'.*did not start \(no UCX backend\).*'object_store'"):
         node_transports("nixl", pool, FakeTransport("object_store"), SEAL)
 
