@@ -40,8 +40,8 @@ from distkv.directory.client import ShardClient, Waker
 from distkv.directory.placement import shard_of
 from distkv.directory.publisher import DirectPublish, PublishPath, Publisher
 from distkv.directory.records import Holder, ReplicaInfo, StoredEntry
-from distkv.directory.state import FLUSH_INTERVAL_S
-from distkv.directory.views import VIEWS, HolderSource, QueriedView, StepEnds, ViewParts
+from distkv.directory.state import FLUSH_INTERVAL_S, publish_interval
+from distkv.directory.views import AUTO_PUSH_MAX_REPLICAS, VIEWS, HolderSource, QueriedView, StepEnds, ViewParts
 from distkv.directory.wire import check_stored
 from distkv.observability.errors import ErrorLog
 from distkv.observability.metrics import MAX_OBSERVATIONS
@@ -52,6 +52,11 @@ from distkv.storage.keys import check_keys
 # of a burst whose transfers need the CPU and network more than the Directory does.
 PROMOTED_FLUSH_DELAY_S = 0.25
 CLOSE_TIMEOUT_S = 2.0
+# A queried link publishes through its node's relay once a shard paces it as one of more
+# than AUTO_PUSH_MAX_REPLICAS replicas, and to the shards itself before: the relay folds a
+# node's publishes into one call per shard, which a shard of many replicas needs, and costs
+# a small namespace an actor call more per publish (docs/benchmarks.md, session 43).
+RELAY_PAST_INTERVAL_S = publish_interval(AUTO_PUSH_MAX_REPLICAS)
 
 
 class PlacedBlock(Protocol):
@@ -82,8 +87,8 @@ class InboxKind(enum.Enum):
 
 
 class _CurrentPath:
-    """The link's publish path now (a PublishPath): to the shards while its view follows,
-    its relay's once it queries."""
+    """The link's publish path now (a PublishPath): to the shards, or its relay's once its
+    view queries a large namespace (RELAY_PAST_INTERVAL_S)."""
 
     def __init__(self, path: PublishPath) -> None:
         self.path = path
@@ -107,9 +112,10 @@ class DirectoryLink:
 
     `view`: the `directory_view` setting, the kind of view (`distkv.directory.views`). A
     lookup that misses a queried view has its key asked (`ask`, None while the view holds
-    every block). `relay`: the publish path of a queried link (the node's relay: beyond a
-    few replicas a shard's calls, not their changes, are its cost); a following link, and
-    a queried one without a relay, publish to the shards themselves.
+    every block). `relay`: the publish path of a queried link once a shard says the
+    namespace is large (the node's relay: beyond a few replicas a shard's calls, not their
+    changes, are its cost); before, and without a relay, a link publishes to the shards
+    themselves.
     Usage: `link = DirectoryLink(ns, info, shards); link.start(); ...; link.close()`.
     """
 
@@ -256,6 +262,12 @@ class DirectoryLink:
         return self._holders
 
     @property
+    def relayed(self) -> bool:
+        """Whether the link's publishes go through its node's relay (it queries a large
+        namespace: RELAY_PAST_INTERVAL_S)."""
+        return self._relay is not None and self._path.path is self._relay
+
+    @property
     def queried(self) -> bool:
         """Whether the view answers by queries (a lookup that misses it is `ask`ed)."""
         return self.ask is not None
@@ -317,6 +329,13 @@ class DirectoryLink:
         every shard's publisher and the view; when the next pass is due at the latest."""
         self._take_inbox(now)
         due = min(p.step(now) for p in self._publishers)
+        if (
+            self.queried
+            and self._relay is not None
+            and not self.relayed
+            and any(p.flush_interval > RELAY_PAST_INTERVAL_S for p in self._publishers)
+        ):
+            self._path.path = self._relay  # for good: the relay's answers pace nobody
         self._path.flush()
         due = min(due, self._source.step(now))
         if not self._synced.is_set() and self._source.synced:
@@ -324,11 +343,9 @@ class DirectoryLink:
         return due
 
     def _queried(self, view: QueriedView) -> None:
-        """The view answers by queries from now on: lookups that miss it ask it, and
-        publishes go through the relay, if there is one."""
+        """The view answers by queries from now on: lookups that miss it ask it (and
+        publishes may go through the relay, see `step`)."""
         self.ask = view.ask
-        if self._relay is not None:
-            self._path.path = self._relay
 
     def _run(self) -> None:
         waker = self._waker

@@ -14,6 +14,7 @@ from distkv.directory.records import ReplicaInfo
 from distkv.directory.wire import encode_changes, encode_stored
 from distkv.directory.wire import decode_answer
 from distkv.directory.placement import shard_of
+from distkv.directory.views import AUTO_PUSH_MAX_REPLICAS
 from distkv.replica.harness import Replica, block_keys
 from distkv.names import RAY_NAMESPACE, agent_name, segment_name
 from ray_actors.directory import get_or_create_shards, kill_shards
@@ -55,9 +56,36 @@ def relayed_publishes(namespace: str) -> int:
     return sum(s.get("relayed_publishes", 0) for s in shard_stats(namespace))
 
 
+def crowd(namespace: str) -> None:
+    """AUTO_PUSH_MAX_REPLICAS more replicas, silent, registered with every shard: the
+    namespace is large, so its queried replicas publish through their node's relay."""
+    node_id = ray.get_runtime_context().get_node_id()
+    infos = [
+        ReplicaInfo(f"crowd_{i}", node_id, segment_name(namespace, f"crowd_{i}"), 64, 1, 4096)
+        for i in range(AUTO_PUSH_MAX_REPLICAS)
+    ]
+    calls = [
+        shard.register.remote(info, 0, encode_stored([]), namespace=namespace)
+        for shard in get_or_create_shards(namespace, SHARDS)
+        for info in infos
+    ]
+    ray.get(calls, timeout=SETUP_TIMEOUT_S)
+
+
+def relaying(replica: Replica) -> None:
+    """Wait until the replica's link publishes through its node's relay (it learns how
+    large the namespace is from its shards' answers)."""
+    deadline = time.monotonic() + SETUP_TIMEOUT_S
+    while not replica.manager.link.relayed:
+        assert time.monotonic() < deadline, "the link never took its node's relay"
+        time.sleep(0.01)
+
+
 def test_a_queried_replica_promotes_a_prefix_bit_exact_with_one_call_per_shard(replicas):
     salt = uuid.uuid4().hex
-    a, b = replicas(salt, "query"), replicas(salt, "query")
+    a = replicas(salt, "query")
+    crowd(a.spec.namespace)
+    b = replicas(salt, "query")
     assert b.manager.link.queried and type(b.manager.link._source).__name__ == "QueriedView"  # no pushed view
     tokens = prompt(1)
     assert a.serve(tokens).stored_blocks == 32
@@ -73,13 +101,33 @@ def test_a_queried_replica_promotes_a_prefix_bit_exact_with_one_call_per_shard(r
     calls = [n - m for n, m in zip(after, before)]
     root_shard = shard_of(keys[0], SHARDS)
     assert calls == [int(shard == root_shard) for shard in range(SHARDS)], calls
-    # a queried replica publishes through its node's agent, which carries the node's publishes together
-    assert relayed_publishes(b.spec.namespace) > 0
+    # in a large namespace a queried replica publishes through its node's agent, which
+    # carries the node's publishes together
+    assert b.manager.link.relayed and relayed_publishes(b.spec.namespace) > 0
+
+
+def test_a_small_namespace_s_queried_replicas_publish_to_the_shards_themselves(replicas):
+    """Through the relay each publish would cost an actor call more and save the shards
+    no call: there are too few replicas a node to fold."""
+    salt = uuid.uuid4().hex
+    a, b = replicas(salt, "query"), replicas(salt, "query")
+    tokens = prompt(2)
+    assert a.serve(tokens).stored_blocks == 32
+    stored_in_directory(a, block_keys(tokens, BLOCK_TOKENS))
+    assert b.serve(tokens).hit_blocks == 32
+    assert not a.manager.link.relayed and not b.manager.link.relayed
+    assert relayed_publishes(a.spec.namespace) == 0
 
 
 def test_publishes_go_on_through_a_restarted_node_agent(replicas):
     salt = uuid.uuid4().hex
-    a, b = replicas(salt, "query"), replicas(salt, "query")
+    a = replicas(salt, "query")
+    crowd(a.spec.namespace)
+    b = replicas(salt, "query")
+    relaying(b)
+    tokens = prompt(4)
+    assert a.serve(tokens).stored_blocks == 32  # its answer shows a the namespace's size
+    relaying(a)
     agent = ray.get_actor(agent_name(a.manager.link.info.node_id), namespace=RAY_NAMESPACE)
     before = relayed_publishes(a.spec.namespace)
     ray.kill(agent, no_restart=False)
@@ -139,9 +187,6 @@ def test_pushed_and_queried_replicas_share_both_ways(replicas):
     salt = uuid.uuid4().hex
     pushed, queried = replicas(salt, "push"), replicas(salt, "query")
     assert not pushed.manager.link.queried and queried.manager.link.queried
-    # the pushed replica publishes to the shards itself, the queried one through its node's agent
-    assert type(pushed.manager.link._path.path).__name__ == "DirectPublish"
-    assert type(queried.manager.link._path.path).__name__ == "RelayBatch"
 
     tokens = prompt(2)  # the pushed replica's, found by the queried one
     assert pushed.serve(tokens).stored_blocks == 32

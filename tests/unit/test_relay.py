@@ -15,6 +15,7 @@ from distkv.directory.wire import encode_changes
 from distkv.directory.state import DirectoryState
 from distkv.observability.errors import ErrorLog
 from distkv.directory.relay import PublishRelay, RelayBatch
+from distkv.directory.views import AUTO_PUSH_MAX_REPLICAS
 
 
 def info(replica_id: str) -> ReplicaInfo:
@@ -349,17 +350,44 @@ def test_a_failed_hand_over_fails_each_publish_it_carried():
             future.result()
 
 
-def test_a_queried_link_publishes_through_the_relay_a_following_one_to_the_shard():
+def crowd(shard: FakeShard, replicas: int) -> None:
+    """`replicas` other replicas registered with `shard`."""
+    for i in range(replicas):
+        shard.state.register(info(f"other-{i}"))
+
+
+def test_a_link_publishes_through_the_relay_once_it_queries_a_large_namespace():
+    """A following link, and a queried one of a small namespace, publish to the shard
+    itself (through the relay each publish would cost an actor call more); a queried link
+    goes through its node's relay once its shard paces it as one of more than
+    AUTO_PUSH_MAX_REPLICAS replicas."""
     shard = FakeShard()
     relay = RelayBatch(lambda items: Future())
     queried = DirectoryLink("ns", info("q"), [shard], "query", relay)
     following = DirectoryLink("ns", info("f"), [shard], "push", relay)
     auto = DirectoryLink("ns", info("s"), [shard], "auto", relay)
-    assert queried._path.path is relay
-    assert type(following._path.path) is DirectPublish and following._path.path.shards == [shard]
-    assert type(auto._path.path) is DirectPublish and auto._path.path.shards == [shard]
-    auto._source.switch()  # what a view of more than AUTO_PUSH_MAX_REPLICAS replicas makes it do
-    assert auto._path.path is relay
+    auto._source.switch()  # what a routed request, or a view of many replicas, makes it do
+    links = (queried, following, auto)
+
+    def publish_and_answer(now: float) -> None:
+        for i, link in enumerate(links):
+            link.stored([(key(int(now) + i), 1, 2)])
+            link.step(now)
+        shard.answer()
+        for link in links:
+            link.step(now + 0.1)
+
+    for link in links:
+        link.step(100.0)  # registers, to the shard itself
+    shard.answer()
+    publish_and_answer(101.0)
+    assert all(type(link._path.path) is DirectPublish and link._path.path.shards == [shard] for link in links)
+    assert not any(link.relayed for link in links)
+    crowd(shard, AUTO_PUSH_MAX_REPLICAS)  # the shard's answers now pace 3 + 8 replicas
+    publish_and_answer(102.0)
+    assert queried._path.path is relay and auto._path.path is relay
+    assert queried.relayed and auto.relayed and not following.relayed
+    assert type(following._path.path) is DirectPublish
     assert queried._publishers[0].client is shard  # registers go to the shard itself
 
 
@@ -369,8 +397,10 @@ def test_a_queried_links_step_hands_its_publishes_over_in_one_call():
     link = DirectoryLink("ns", info("q"), shards, "query", RelayBatch(lambda items: sent.append(items) or Future()))
     link.step(100.0)  # registers, to the shards themselves
     for shard in shards:
+        crowd(shard, AUTO_PUSH_MAX_REPLICAS)  # a large namespace: the link's publishes go through the relay
         assert shard.in_flight() == ["register"]
         shard.answer()
+    link.step(100.5)  # the registers' answers pace it as one of many: the relay from now on
     link.stored([(key(1), 1, 2), (key(2), 2, 3), (key(3), 3, 4)])
     link.step(101.0)
     link.step(101.1)
