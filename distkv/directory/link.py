@@ -29,7 +29,7 @@ import concurrent.futures
 import enum
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Future
 from typing import NamedTuple, Protocol
 
@@ -87,11 +87,22 @@ class InboxKind(enum.Enum):
 
 
 class _CurrentPath:
-    """The link's publish path now (a PublishPath): to the shards, or its relay's once its
-    view queries a large namespace (RELAY_PAST_INTERVAL_S)."""
+    """The link's publish path now (a PublishPath): to the shards themselves, or its
+    node's relay once the link queries a large namespace, for good (`relay_if_paced`)."""
 
-    def __init__(self, path: PublishPath) -> None:
-        self.path = path
+    def __init__(self, direct: PublishPath, relay: PublishPath | None) -> None:
+        self.path = direct
+        self._relay = relay
+
+    @property
+    def relayed(self) -> bool:
+        return self._relay is not None and self.path is self._relay
+
+    def relay_if_paced(self, intervals: Iterable[float]) -> None:
+        """Take the relay once a shard paces the replica as one of more than
+        AUTO_PUSH_MAX_REPLICAS (an interval past RELAY_PAST_INTERVAL_S)."""
+        if self._relay is not None and not self.relayed and any(i > RELAY_PAST_INTERVAL_S for i in intervals):
+            self.path = self._relay  # the relay's answers pace nobody: it stays
 
     def publish(self, shard: int, replica_id: str, seq: int, changes: bytes, report: dict | None) -> Future:
         return self.path.publish(shard, replica_id, seq, changes, report)
@@ -147,8 +158,7 @@ class DirectoryLink:
         self.query_times: collections.deque[tuple[int, float]] = collections.deque(maxlen=MAX_OBSERVATIONS)
         # every view's holders: one dict lookup answers `holders`
         self._holders: dict[OffloadKey, tuple[Holder, ...]] = {}
-        self._relay = relay
-        self._path = _CurrentPath(DirectPublish(shards, namespace))
+        self._path = _CurrentPath(DirectPublish(shards, namespace), relay)
         self._publishers = [
             Publisher(
                 i, client, namespace, info,
@@ -265,7 +275,7 @@ class DirectoryLink:
     def relayed(self) -> bool:
         """Whether the link's publishes go through its node's relay (it queries a large
         namespace: RELAY_PAST_INTERVAL_S)."""
-        return self._relay is not None and self._path.path is self._relay
+        return self._path.relayed
 
     @property
     def queried(self) -> bool:
@@ -329,13 +339,8 @@ class DirectoryLink:
         every shard's publisher and the view; when the next pass is due at the latest."""
         self._take_inbox(now)
         due = min(p.step(now) for p in self._publishers)
-        if (
-            self.queried
-            and self._relay is not None
-            and not self.relayed
-            and any(p.flush_interval > RELAY_PAST_INTERVAL_S for p in self._publishers)
-        ):
-            self._path.path = self._relay  # for good: the relay's answers pace nobody
+        if self.queried:
+            self._path.relay_if_paced(p.flush_interval for p in self._publishers)
         self._path.flush()
         due = min(due, self._source.step(now))
         if not self._synced.is_set() and self._source.synced:
