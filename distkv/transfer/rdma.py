@@ -221,7 +221,10 @@ def _agent_waking_on_events(api: Any, name: str, progress_delay_us: int) -> Any:
     base = bindings.nixlAgentConfig
 
     class DelayedConfig(base):
-        pthrDelay = property(lambda self: base.pthrDelay.__get__(self), lambda self, _: base.pthrDelay.__set__(self, progress_delay_us))
+        pthrDelay = property(
+            lambda self: base.pthrDelay.__get__(self),
+            lambda self, _: base.pthrDelay.__set__(self, progress_delay_us),  # whatever the API sets
+        )
 
     class Bindings:
         nixlAgentConfig = DelayedConfig
@@ -232,7 +235,8 @@ def _agent_waking_on_events(api: Any, name: str, progress_delay_us: int) -> Any:
     init = api.nixl_agent.__init__
     if init.__globals__.get("nixlBind") is not bindings:
         raise RuntimeError(f"this NIXL's Python API ({api.__name__}) does not build its agents as distkv expects")
-    construct = types.FunctionType(init.__code__, {**init.__globals__, "nixlBind": Bindings()}, init.__name__, init.__defaults__, init.__closure__)
+    seen = {**init.__globals__, "nixlBind": Bindings()}
+    construct = types.FunctionType(init.__code__, seen, init.__name__, init.__defaults__, init.__closure__)
     agent = api.nixl_agent.__new__(api.nixl_agent)
     construct(agent, name, api.nixl_agent_config(enable_prog_thread=True, backends=["UCX"]))
     return agent
