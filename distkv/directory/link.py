@@ -96,7 +96,7 @@ class _CurrentPath:
 
     @property
     def relayed(self) -> bool:
-        return self._relay is not None and self.path is self._relay
+        return self.path is self._relay  # never None: the direct path is a path
 
     def relay_if_paced(self, intervals: Iterable[float]) -> None:
         """Take the relay once a shard paces the replica as one of more than
