@@ -22,7 +22,7 @@ from distkv.storage.readers import PRUNE_INTERVAL_S, PoolReaders, RowsRead, read
 from distkv.storage.pool import PoolLayout
 from distkv.directory.relay import Handed, PublishRelay, RelayBatch
 from distkv.storage.segments import reclaim_stale_segments
-from distkv.transfer.transport import HolderNodes
+from distkv.transfer.holder_nodes import HolderNodes
 from ray_actors.directory import find_shards
 
 logger = logging.getLogger(__name__)

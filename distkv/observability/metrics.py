@@ -93,7 +93,7 @@ METRICS: dict[str, MetricDef] = {
                   "Time cross-node transfers took from start to landing, by transport (concurrent transfers each "
                   "count): bytes over seconds is the transport's rate over its own time", REPLICA_TAGS + ("transport",)),
         MetricDef("distkv_transport_rate_gbps", GAUGE,
-                  "The rate (GB/s) transport `auto` last measured reading from `holder_node` by each transport; "
+                  "The best rate (GB/s) transport `auto` measured reading from `holder_node` by each transport; "
                   "the faster carries that node's promotions", REPLICA_TAGS + ("holder_node", "transport")),
         MetricDef("distkv_routed_requests", COUNTER,
                   "Requests distkv's Serve router sent here with the Directory's answer, by what routing them here "

@@ -242,6 +242,46 @@ def _agent_waking_on_events(api: Any, name: str, progress_delay_us: int) -> Any:
     return agent
 
 
+class Connections:
+    """The peers' agents a reader reached: `reach` connects to one in the background with
+    a READ of a few of its bytes, since the first READ from a peer waits for UCX to wire the
+    two agents up (tens of milliseconds, under load a hundred), and no transfer should."""
+
+    PROBE_BYTES = 8
+
+    def __init__(self, agent: NixlAgent, reads: ReadQueue) -> None:
+        self._agent = agent
+        self._reads = reads
+        self._probe = np.zeros(self.PROBE_BYTES, dtype=np.uint8)  # every probe lands here, unread
+        agent.register(self._probe.ctypes.data, self._probe.nbytes)
+        # agent name -> reached (True) or being reached (False); set on the queue's thread too
+        self._state: dict[str, bool] = {}
+
+    def reached(self, agent_name: str) -> bool:
+        return self._state.get(agent_name, False)
+
+    def reach(self, remote: PoolEndpoint) -> None:
+        """Connect to remote's agent in the background, unless reached or being reached."""
+        name = remote.agent_name
+        if name in self._state:
+            return
+        self._state[name] = False
+
+        def probed(ok: bool) -> None:
+            if not ok:
+                self.forget(name)
+            elif name in self._state:  # not forgotten meanwhile
+                self._state[name] = True
+
+        probe = np.array([(0, self._probe.ctypes.data, self.PROBE_BYTES)], dtype=np.int64)
+        self._reads.submit(remote, [probe], probed)
+
+    def forget(self, agent_name: str) -> None:
+        """Drop a peer (it restarted, left, or a read of it failed): it is reached afresh."""
+        self._state.pop(agent_name, None)
+        self._agent.forget(agent_name)
+
+
 class QueuedRead:
     """READs handed to a `ReadQueue` as one: queued, being posted, in flight, draining (its
     READ ended or was given up, but NIXL has not let its handle go: bytes may still land),

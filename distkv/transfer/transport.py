@@ -33,8 +33,9 @@ from distkv.transfer.endpoint_seal import EndpointSeal
 from distkv.storage.slots import HEADER_BYTES, Sealed, check_landed, copy_checksum
 from distkv.storage.pool import HostPool, PoolLayout
 from distkv.storage.readers import RowsRead
+from distkv.transfer.holder_nodes import HolderNodes
 from distkv.transfer.landing import Landing, PoolLanding
-from distkv.transfer.rdma import NixlAgent, PoolEndpoint, ReadQueue
+from distkv.transfer.rdma import Connections, NixlAgent, PoolEndpoint, ReadQueue
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +58,9 @@ class Transfer(ABC):
 
     # the name of the Transport that started it
     transport = ""
+    # whether it went another way than its holder's next transfers will (the object store
+    # while NIXL connects): what it takes is no measure of that path
+    stands_in = False
 
     @abstractmethod
     def done(self) -> bool:
@@ -117,28 +121,6 @@ class Transport(ABC):
 
     def close(self) -> None:
         """Release what the transport holds."""
-
-
-class HolderNodes:
-    """The node of each holder read from, so that what is kept per node (a NodeAgent's
-    handle, a measured rate) goes once the Directory lists none of its holders: they
-    left, or their node died and the Directory dropped them. Otherwise such maps would
-    grow with every node that ever held a block read here."""
-
-    def __init__(self) -> None:
-        self._node_of: dict[str, str] = {}  # holder replica -> its node
-
-    def note(self, holder: ReplicaInfo) -> None:
-        self._node_of[holder.replica_id] = holder.node_id
-
-    def live(self, replica_info: Callable[[str], ReplicaInfo | None]) -> set[str]:
-        """Forget the holders that `replica_info` no longer lists, or lists on another
-        node; the nodes of the others."""
-        for replica_id, node_id in list(self._node_of.items()):
-            info = replica_info(replica_id)
-            if info is None or info.node_id != node_id:
-                del self._node_of[replica_id]
-        return set(self._node_of.values())
 
 
 # ---- through the object store -------------------------------------------------------
@@ -296,7 +278,7 @@ class _NixlReads(Transfer):
             # the peer is gone or restarted, so the next read connects afresh (a restarted
             # holder has a new agent, and its new endpoint a new name)
             self._failed = True
-            self._transport.agent.forget(self._endpoint.agent_name)
+            self._transport.connections.forget(self._endpoint.agent_name)
         self._over = True
         self._wake()
 
@@ -370,6 +352,7 @@ class NixlTransport(Transport):
         self._agent_of: dict[str, str] = {}  # holder replica -> the NIXL agent it was last read through
         # holder replica -> its sealed endpoint and what it opened to (None: it did not)
         self._opened: dict[str, tuple[bytes, PoolEndpoint | None]] = {}
+        self.connections = Connections(agent, self.reads)
 
     def endpoint_of(self, holder: ReplicaInfo) -> PoolEndpoint | None:
         """holder's endpoint, if it registered one and it opens here; else None (the object
@@ -399,14 +382,9 @@ class NixlTransport(Transport):
         into = into or self._landings[0]
         if not any(into is landing for landing in self._landings):
             raise ValueError("a NIXL read into memory the transport did not admit (Transport.admit)")
-        endpoint = self.endpoint_of(holder)
+        endpoint = self._agent_endpoint(holder)
         if endpoint is None:
             raise ValueError(f"replica {holder.replica_id} registered no NIXL endpoint this replica can open")
-        previous = self._agent_of.get(holder.replica_id)
-        if previous != endpoint.agent_name:
-            if previous is not None:  # the holder restarted: its old agent is gone
-                self.agent.forget(previous)
-            self._agent_of[holder.replica_id] = endpoint.agent_name
         scratch = self.scratch.take(len(reads) * holder.num_ranks)
         if scratch is None:
             raise RuntimeError("NIXL scratch exhausted: too many slots in flight")
@@ -414,8 +392,32 @@ class NixlTransport(Transport):
             return _NixlReads(self, holder, endpoint, reads, scratch, wake, into)
         except BaseException:
             self.scratch.give_back(scratch)
-            self.agent.forget(endpoint.agent_name)
+            self.connections.forget(endpoint.agent_name)
             raise
+
+    def connected(self, holder: ReplicaInfo) -> bool:
+        """Whether `connect` reached holder's agent (and no read of it failed since)."""
+        endpoint = self.endpoint_of(holder)
+        return endpoint is not None and self.connections.reached(endpoint.agent_name)
+
+    def connect(self, holder: ReplicaInfo) -> None:
+        """Connect to holder's agent in the background (`Connections.reach`), unless its
+        endpoint does not open here."""
+        endpoint = self._agent_endpoint(holder)
+        if endpoint is not None:
+            self.connections.reach(endpoint)
+
+    def _agent_endpoint(self, holder: ReplicaInfo) -> PoolEndpoint | None:
+        """holder's endpoint, as `endpoint_of`; the agent it had before, if another, is forgotten."""
+        endpoint = self.endpoint_of(holder)
+        if endpoint is None:
+            return None
+        previous = self._agent_of.get(holder.replica_id)
+        if previous != endpoint.agent_name:
+            if previous is not None:  # the holder restarted: its old agent is gone
+                self.connections.forget(previous)
+            self._agent_of[holder.replica_id] = endpoint.agent_name
+        return endpoint
 
     def forget_gone(self, replica_info: Callable[[str], ReplicaInfo | None]) -> None:
         for replica_id in list(self._opened):
@@ -426,7 +428,7 @@ class NixlTransport(Transport):
             endpoint = None if info is None else self.endpoint_of(info)
             if endpoint is None or endpoint.agent_name != agent_name:
                 del self._agent_of[replica_id]
-                self.agent.forget(agent_name)
+                self.connections.forget(agent_name)
 
     def close(self) -> None:
         self.reads.close()
@@ -478,13 +480,18 @@ class NodeTransports(Transport):
 
     "object_store": always the object store. "nixl": NIXL from every holder that
     registered an endpoint that opens here (`NixlTransport.endpoint_of`), the object store
-    from the others. "auto": from a node whose holder registered such an endpoint, each transport is measured on real transfers (the
-    first two transfers go one by each) and the one that moved bytes faster carries the
-    node's transfers; the other is measured again with one transfer every RECHECK_S. So
-    a fabric where NIXL's reads are slower than the object store (UCX with TCP only
-    emulates them) keeps the object store. A transfer that fails or times out measures 0.
+    from the others. "auto": NIXL connects to a holder's agent in the background
+    (`NixlTransport.connect`) while its transfers go through the object store, so that no
+    request waits for UCX's wire-up and no measurement counts it. Each transport is
+    measured on SAMPLES real transfers (the object store's first, while NIXL connects) and
+    the faster at its best carries the node's transfers (a transfer that waited for a core
+    is slower than its path, never faster); every RECHECK_S both are measured afresh. So a
+    fabric where NIXL's reads are slower than the object store (UCX with TCP only emulates
+    them) keeps the object store. A transfer that fails or times out measures 0 until the
+    next recheck.
     """
 
+    SAMPLES = 3
     RECHECK_S = 60.0
 
     def __init__(self, object_store: Transport, nixl: NixlTransport | None, mode: str) -> None:
@@ -492,9 +499,10 @@ class NodeTransports(Transport):
         self._object_store = object_store
         self._nixl = nixl
         self._mode = mode
-        # node -> transport name -> (bytes/s of its last measured transfer, when measured);
-        # only nodes the Directory still lists a holder on: it goes out with every heartbeat
-        self._rates: dict[str, dict[str, tuple[float, float]]] = {}
+        # node -> transport name -> (bytes/s of its measured transfers since the last
+        # recheck, when the first of them was measured); only nodes the Directory still
+        # lists a holder on: it goes out with every heartbeat
+        self._rates: dict[str, dict[str, tuple[list[float], float]]] = {}
         self._holder_nodes = HolderNodes()
         self._measuring: set[tuple[str, str]] = set()  # (node, transport) with a measurement in flight
 
@@ -509,8 +517,9 @@ class NodeTransports(Transport):
         return None if self._nixl is None else self._nixl.endpoint
 
     def rates(self) -> dict[str, dict[str, float]]:
-        """Per holder node measured so far ("auto"), each transport's last rate in bytes/s."""
-        return {node: {name: rate for name, (rate, _) in list(by.items())} for node, by in list(self._rates.items())}
+        """Per holder node measured so far ("auto"), each transport's best rate since its
+        last recheck, in bytes/s."""
+        return {node: {name: max(rates) for name, (rates, _) in list(by.items())} for node, by in list(self._rates.items())}
 
     def chosen(self, holder: ReplicaInfo) -> Transport:
         """The transport the next transfer from `holder` takes (not counting re-measures)."""
@@ -518,22 +527,28 @@ class NodeTransports(Transport):
             return self._object_store
         if self._mode == "nixl":
             return self._nixl
+        if not self._nixl.connected(holder):
+            return self._object_store
         rates = self._rates.get(holder.node_id, {})
         measured = [t for t in (self._nixl, self._object_store) if t.name in rates]
         if not measured:
             return self._object_store
-        return max(measured, key=lambda t: rates[t.name][0])
+        return max(measured, key=lambda t: max(rates[t.name][0]))
 
     def start(
         self, holder: ReplicaInfo, reads: Sequence[RowRead], wake: Callable[[], None], into: Landing | None = None
     ) -> Transfer:
         self._holder_nodes.note(holder)
+        if self._mode == "auto" and self._nixl is not None:
+            self._nixl.connect(holder)
+        connecting = self._mode == "auto" and self._nixl is not None and not self._nixl.connected(holder)
         measure = self._due(holder)
         transfer = (measure or self.chosen(holder)).start(holder, reads, wake, into)
-        if measure is None:
-            return transfer
-        self._measuring.add((holder.node_id, measure.name))
-        return _Timed(transfer, self, holder.node_id, len(reads) * holder.num_ranks * holder.slot_bytes)
+        if measure is not None:
+            self._measuring.add((holder.node_id, measure.name))
+            transfer = _Timed(transfer, self, holder.node_id, len(reads) * holder.num_ranks * holder.slot_bytes)
+        transfer.stands_in = connecting and self._nixl.endpoint_of(holder) is not None
+        return transfer
 
     def batch_bytes(self, holder: ReplicaInfo) -> int:
         return self.chosen(holder).batch_bytes(holder)
@@ -561,14 +576,21 @@ class NodeTransports(Transport):
         if self._mode != "auto" or self._nixl is None or self._nixl.endpoint_of(holder) is None:
             return None
         now = time.monotonic()
-        rates = self._rates.get(holder.node_id, {})
-        for transport in (self._nixl, self._object_store):
-            measured = rates.get(transport.name)
-            due = measured is None or now - measured[1] > self.RECHECK_S
+        by_transport = self._rates.get(holder.node_id, {})
+        for transport in (self._nixl, self._object_store) if self._nixl.connected(holder) else (self._object_store,):
+            rates, since = by_transport.get(transport.name, ([], now))
+            due = len(rates) < self.SAMPLES or now - since > self.RECHECK_S
             if due and (holder.node_id, transport.name) not in self._measuring:
                 return transport
         return None
 
     def _measured(self, node_id: str, transport: str, rate: float) -> None:
         self._measuring.discard((node_id, transport))
-        self._rates.setdefault(node_id, {})[transport] = (rate, time.monotonic())
+        by_transport, now = self._rates.setdefault(node_id, {}), time.monotonic()
+        rates, since = by_transport.get(transport, ([], now))
+        if not rate:  # failed: no more of it until the next recheck
+            by_transport[transport] = ([0.0] * self.SAMPLES, now)
+        elif now - since > self.RECHECK_S:
+            by_transport[transport] = ([rate], now)
+        else:
+            by_transport[transport] = (rates + [rate], since)

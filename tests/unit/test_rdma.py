@@ -248,6 +248,41 @@ def test_the_nixl_transport_lands_checks_and_fails_into_misses(holder):
         local.close()
 
 
+def test_connect_reaches_a_holder_in_the_background_and_a_dead_one_is_forgotten(holder):
+    """`connect` wires the agents up with a READ of its own, so that no transfer waits for
+    it; a holder that cannot be reached is not connected, its peer is dropped, its
+    scratch given back, and the next `connect` tries again."""
+    process, _, endpoint = holder
+    local = HostPool(segment_name("t" + uuid.uuid4().hex[:8], "requester"), LAYOUT)
+    transport = NixlTransport(local, NixlAgent(), SEAL, scratch_slots=8)
+    info = ReplicaInfo("holder", "node-a", HOLDER_POOL, LAYOUT.num_rows, LAYOUT.num_ranks, LAYOUT.slot_bytes,
+                       endpoint=SEAL.seal(HOLDER_POOL, endpoint))
+
+    def until(condition, what: str) -> None:
+        deadline = time.monotonic() + 60
+        while not condition():
+            assert time.monotonic() < deadline, f"never {what}"
+            time.sleep(0.001)
+
+    try:
+        assert not transport.connected(info)
+        transport.connect(info)
+        transport.connect(info)  # connecting: nothing more
+        until(lambda: transport.connected(info), "connected")
+        assert transport.agent.num_peers == 1 and len(transport.scratch._free) == 8
+        assert land(transport.start(info, [RowRead(KEY, 3, 7, 5)], lambda: None), "a read")[0] is not None
+        os.kill(process.pid, signal.SIGKILL)
+        process.join(30)
+        assert land(transport.start(info, [RowRead(KEY, 3, 7, 4)], lambda: None), "a read of a killed holder") is None
+        assert not transport.connected(info) and transport.agent.num_peers == 0
+        transport.connect(info)  # a new try, which fails too
+        until(lambda: transport.agent.num_peers == 0 and len(transport.scratch._free) == 8, "forgotten")
+        assert not transport.connected(info)
+    finally:
+        transport.close()
+        local.close()
+
+
 def test_starting_an_agent_writes_nothing_to_stdout():
     """stdout is the program's: `distkv demo --json` prints its document there."""
     import subprocess
