@@ -218,7 +218,7 @@ class ClusterOffloadingManager(OffloadingManager):
     def landed(self) -> list[tuple[int, bool]]:
         """(row, success) of the promotions `promote_into` started that ended since the last call."""
         finished, now = self.promoter.finished_into(), time.monotonic()
-        self.pulls.ended(((key, ok, same) for key, _, ok, same in finished), now)
+        self.pulls.ended(((key, ok, same) for key, _, ok, same in finished), now, self.promoter.unmeasured())
         failed = self._inflight.landed(finished, now)
         self._loads.landed(same for _, _, ok, same in finished if ok)
         self.lookups_remote_hit += len(finished) - len(failed)
@@ -357,7 +357,7 @@ class ClusterOffloadingManager(OffloadingManager):
     def _apply_promotions(self) -> None:
         now = time.monotonic()
         finished = self.promoter.finished()
-        self.pulls.ended(finished, now)
+        self.pulls.ended(finished, now, self.promoter.unmeasured())
         succeeded, failed, ended = self._inflight.sort(finished)
         if ended:  # abandoned: their retired rows are free again, whatever the outcome
             self.local.complete_store(ended, self._promotion_ctx, success=False)

@@ -81,8 +81,13 @@ class RequestPulls:
         """A promotion of `key` for the request of `req_context` started at `now`."""
         self.gate.submitted(key, req_context.get_state(RequestPull), now)
 
-    def ended(self, finished: Iterable[tuple[OffloadKey, bool, bool]], now: float) -> None:
-        """The Promoter's reports (key, ok, same node) of promotions that ended by `now`."""
+    def ended(
+        self, finished: Iterable[tuple[OffloadKey, bool, bool]], now: float, unmeasured: Iterable[OffloadKey]
+    ) -> None:
+        """The Promoter's reports (key, ok, same node) of promotions that ended by `now`, and
+        the keys whose transfer stood in for their path's (`Promoter.unmeasured`, each
+        reported before it ends): those pulls are not measured."""
+        self.gate.forget_pulls(unmeasured)
         for key, ok, _ in finished:
             self.gate.ended(key, ok, now)
 

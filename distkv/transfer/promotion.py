@@ -14,6 +14,7 @@ that does not check out is a miss, never data.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import queue
 import threading
@@ -71,6 +72,10 @@ class _InFlight:
     given_up: tuple[str, str] | None = None
 
 
+def _held_row(p: Promotion, info: ReplicaInfo) -> Holder:
+    return next(h for h in p.holders if h.replica_id == info.replica_id)
+
+
 def _drain(ended: deque) -> list:
     done = []
     while ended:
@@ -123,8 +128,10 @@ class Promoter:
         self.transport = transport
         # promotions to start; None to stop; _FETCHED when a fetch completed
         self._submitted: queue.SimpleQueue[Promotion | object | None] = queue.SimpleQueue()
+        self._wake = functools.partial(self._submitted.put, _FETCHED)  # what a transfer runs once done
         self._finished: deque[tuple[OffloadKey, bool, bool]] = deque()
         self._finished_into: deque[tuple[OffloadKey, int, bool, bool]] = deque()
+        self._unmeasured: deque[OffloadKey] = deque()
         self._in_flight: list[_InFlight] = []
         self.bytes_same_node = 0
         self.bytes_cross_node = 0
@@ -161,6 +168,10 @@ class Promoter:
     def has_finished(self) -> bool:
         return bool(self._finished)
 
+    def unmeasured(self) -> list[OffloadKey]:
+        """Keys of promotions whose transfer stood in for their path's (`Transfer.stands_in`), each before it ends."""
+        return _drain(self._unmeasured)
+
     def finished_into(self) -> list[tuple[OffloadKey, int, bool, bool]]:
         """(key, row, success, from this node) of those into other landings, as `finished`."""
         return _drain(self._finished_into)
@@ -193,9 +204,8 @@ class Promoter:
                 self._pruned_at = time.monotonic()
 
     def _take_batch(self) -> list[Promotion] | None:
-        """Everything submitted so far, once something was submitted or a fetch completed.
-
-        Waits at most IDLE_WAIT_S, so that timeouts are noticed that soon."""
+        """Everything submitted so far, once something was submitted or a fetch completed;
+        waits at most IDLE_WAIT_S, so that timeouts are noticed that soon."""
         batch: list[Promotion] = []
         try:
             item = self._submitted.get(timeout=self.IDLE_WAIT_S)
@@ -229,12 +239,12 @@ class Promoter:
                 step = max(self.transport.batch_bytes(info) // row_bytes, 1)
                 # in the holder's row order: a prefix stored together then asks for runs of
                 # consecutive rows, which the holder copies out without gathering them first
-                promotions.sort(key=lambda p: self._held_row(p, info).row)
+                promotions.sort(key=lambda p: _held_row(p, info).row)
                 for i in range(0, len(promotions), step):
                     self._fetch(info, promotions[i : i + step])
 
     def _fetch(self, info: ReplicaInfo, promotions: list[Promotion]) -> None:
-        held = [self._held_row(p, info) for p in promotions]
+        held = [_held_row(p, info) for p in promotions]
         reads = [RowRead(p.key, h.row, h.generation, p.row) for p, h in zip(promotions, held)]
         into = promotions[0].into  # all of them: `_start` groups them by it
         (into or self._own).begin(np.array([p.row for p in promotions]))  # before any byte lands
@@ -244,10 +254,9 @@ class Promoter:
             logger.warning("promotion from %s could not start", info.replica_id, exc_info=True)
             self._finish(promotions, False, "cross_node", "promotion_fetch", f"from {info.replica_id}: {e!r}")
             return
+        if transfer.stands_in:
+            self._unmeasured.extend(p.key for p in promotions)
         self._in_flight.append(_InFlight(transfer, info, promotions, time.perf_counter()))
-
-    def _wake(self) -> None:
-        self._submitted.put(_FETCHED)
 
     def _choose(self, p: Promotion) -> ReplicaInfo | None:
         """A holder of the promotion's cache epoch whose pool we can read, on this node if possible."""
@@ -264,10 +273,6 @@ class Promoter:
         candidates.sort(key=lambda info: info.node_id != self._node_id)
         return candidates[0] if candidates else None
 
-    @staticmethod
-    def _held_row(p: Promotion, info: ReplicaInfo) -> Holder:
-        return next(h for h in p.holders if h.replica_id == info.replica_id)
-
     def _copy_same_node(self, info: ReplicaInfo, promotions: list[Promotion]) -> None:
         started = time.perf_counter()
         try:
@@ -278,7 +283,7 @@ class Promoter:
                     raise FileNotFoundError(f"no pool segment {info.pool_name} with layout {layout_of(info)}")
                 for p in promotions:
                     with self._failing([p], "same_node", f"from {info.replica_id}"):
-                        held = self._held_row(p, info)
+                        held = _held_row(p, info)
                         ok = _write_local(
                             p.into or self._own, p,
                             lambda rank, out: holder_pool.read(rank, held.row, p.key, held.generation, out),

@@ -41,6 +41,9 @@ class SilentPromoter:
         done, self._finished = self._finished, []
         return done
 
+    def unmeasured(self):
+        return []
+
     def close(self):
         pass
 

@@ -46,6 +46,9 @@ class StubPromoter:
         done, self._finished = self._finished, []
         return done
 
+    def unmeasured(self):
+        return []
+
     def finish(self, key) -> None:
         self._finished.append((key, True, True))
 

@@ -146,3 +146,32 @@ def test_the_manager_recomputes_a_short_prefix_across_nodes_and_pulls_a_long_one
     assert b.manager.promoter.succeeded["cross_node"] == 31
     assert gate.allowed["cross_node"] == 31
     assert b.manager.stats().routing.pull_skipped == {"same_node": 0, "cross_node": 1}
+
+
+def test_a_pull_whose_transfer_stood_in_for_its_path_teaches_the_gate_nothing(replicas, monkeypatch):
+    """The object store carries a holder's first transfers while NIXL connects to it: what
+    they take is no measure of the path the next pulls take."""
+    from cluster_fakes import FakeDirectory
+    from distkv.transfer.transport import ObjectStoreTransport
+
+    start = ObjectStoreTransport.start
+    standing_in = [True]
+
+    def start_standing_in(self, *args, **kw):
+        transfer = start(self, *args, **kw)
+        transfer.stands_in = standing_in[0]
+        return transfer
+
+    monkeypatch.setattr(ObjectStoreTransport, "start", start_standing_in)
+    directory = FakeDirectory()
+    a = replicas(directory, "node-1")
+    b = replicas(directory, "node-2")
+    first, second = prompt(1, blocks=8), prompt(2, blocks=8)
+    a.serve(first)
+    a.serve(second)
+    gate = b.manager.pulls.gate
+    assert b.serve(first).hit_blocks == 8
+    assert gate.pull["cross_node"].count == 0
+    standing_in[0] = False
+    assert b.serve(second).hit_blocks == 8
+    assert gate.pull["cross_node"].count == 1
