@@ -539,15 +539,16 @@ class NodeTransports(Transport):
         self, holder: ReplicaInfo, reads: Sequence[RowRead], wake: Callable[[], None], into: Landing | None = None
     ) -> Transfer:
         self._holder_nodes.note(holder)
-        if self._mode == "auto" and self._nixl is not None:
-            self._nixl.connect(holder)
-        connecting = self._mode == "auto" and self._nixl is not None and not self._nixl.connected(holder)
+        nixl = self._nixl if self._mode == "auto" else None
+        stands_in = nixl is not None and nixl.endpoint_of(holder) is not None and not nixl.connected(holder)
+        if stands_in:  # for NIXL, which connects meanwhile
+            nixl.connect(holder)
         measure = self._due(holder)
         transfer = (measure or self.chosen(holder)).start(holder, reads, wake, into)
         if measure is not None:
             self._measuring.add((holder.node_id, measure.name))
             transfer = _Timed(transfer, self, holder.node_id, len(reads) * holder.num_ranks * holder.slot_bytes)
-        transfer.stands_in = connecting and self._nixl.endpoint_of(holder) is not None
+        transfer.stands_in = stands_in
         return transfer
 
     def batch_bytes(self, holder: ReplicaInfo) -> int:
