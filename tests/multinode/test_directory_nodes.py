@@ -82,18 +82,32 @@ def wait_until(condition, timeout_s: float, what: str) -> float:
 
 
 @ray.remote(num_cpus=0)
-def on_node() -> str:
-    return ray.get_runtime_context().get_node_id()
+class Probe:
+    def node_id(self) -> str:
+        return ray.get_runtime_context().get_node_id()
+
+
+def wait_until_soft_affinity_lands(node_ids: list[str], timeout_s: float) -> None:
+    """Wait until an actor placed as the shards are (a soft affinity, no CPU) lands on each of
+    `node_ids`. Ray's scheduler knows a node some time after its table says it is alive, and
+    until then a soft affinity to it falls back to the head: all three shards went there twice,
+    once after a task pinned to each new node had run there."""
+
+    def landed() -> bool:
+        probes = [Probe.options(scheduling_strategy=NodeAffinitySchedulingStrategy(n, soft=True)).remote() for n in node_ids]
+        try:
+            return ray.get([p.node_id.remote() for p in probes], timeout=60) == node_ids
+        finally:
+            for p in probes:
+                ray.kill(p)
+
+    wait_until(landed, timeout_s, "actors with a soft affinity land on the new nodes")
 
 
 def test_a_shard_whose_node_died_restarts_elsewhere_and_is_refilled(cluster):
     nodes = [cluster.add_node(num_cpus=1, object_store_memory=100 * MB) for _ in range(2)]
     cluster.wait_for_nodes()
-    # Ray's scheduler knows a node some time after its table says it is alive; until then a
-    # soft affinity to it falls back to the head (all three shards did, once). A task pinned
-    # to each node runs once the scheduler can place work there.
-    pinned = [on_node.options(scheduling_strategy=NodeAffinitySchedulingStrategy(n.node_id, soft=False)).remote() for n in nodes]
-    assert ray.get(pinned, timeout=120) == [n.node_id for n in nodes]
+    wait_until_soft_affinity_lands([n.node_id for n in nodes], 120)
     namespace = "test" + uuid.uuid4().hex[:8]
     num_shards = 3
     shards = get_or_create_shards(namespace, num_shards)
