@@ -4,7 +4,8 @@ of its owner's memory (vLLM's primary chunks, for distkv's tier).
 Owns promotion (`promotion`: reserve, read, check, accept), where a promotion lands
 (`landing`: a pool's rows, sealed; an owner's chunks, checked), the transports that bring
 another node's rows here (`transport`: the object store through a NodeAgent, NIXL
-one-sided reads; `holder_nodes`: the nodes they keep something for), NIXL itself
+one-sided reads; `node_rates`: which is faster from each holder node; `holder_nodes`: the
+nodes they keep something for), NIXL itself
 (`rdma`) and the sealing of a pool's NIXL endpoint for the members of its cache
 namespace (`endpoint_seal`).
 

@@ -35,6 +35,7 @@ from distkv.storage.pool import HostPool, PoolLayout
 from distkv.storage.readers import RowsRead
 from distkv.transfer.holder_nodes import HolderNodes
 from distkv.transfer.landing import Landing, PoolLanding
+from distkv.transfer.node_rates import NodeRates
 from distkv.transfer.rdma import Connections, NixlAgent, PoolEndpoint, ReadQueue
 
 logger = logging.getLogger(__name__)
@@ -440,11 +441,11 @@ class NixlTransport(Transport):
 
 
 class _Timed(Transfer):
-    """A transfer whose rate `NodeTransports` takes as a measurement of its transport."""
+    """A transfer whose rate is a measurement of its transport from its holder's node."""
 
-    def __init__(self, inner: Transfer, owner: NodeTransports, node_id: str, nbytes: int) -> None:
+    def __init__(self, inner: Transfer, rates: NodeRates, node_id: str, nbytes: int) -> None:
         self._inner = inner
-        self._owner = owner
+        self._rates = rates
         self._node_id = node_id
         self._nbytes = nbytes
         self._started = time.perf_counter()
@@ -461,15 +462,15 @@ class _Timed(Transfer):
         try:
             landed = self._inner.finish()
         except BaseException:
-            self._owner._measured(self._node_id, self.transport, 0.0)
+            self._rates.measured(self._node_id, self.transport, 0.0)
             raise
         seconds = (self._ended or time.perf_counter()) - self._started
-        self._owner._measured(self._node_id, self.transport, self._nbytes / max(seconds, 1e-9))
+        self._rates.measured(self._node_id, self.transport, self._nbytes / max(seconds, 1e-9))
         return landed
 
     def cancel(self) -> None:
         self._inner.cancel()
-        self._owner._measured(self._node_id, self.transport, 0.0)
+        self._rates.measured(self._node_id, self.transport, 0.0)
 
     def settled(self) -> bool:
         return self._inner.settled()
@@ -482,29 +483,20 @@ class NodeTransports(Transport):
     registered an endpoint that opens here (`NixlTransport.endpoint_of`), the object store
     from the others. "auto": NIXL connects to a holder's agent in the background
     (`NixlTransport.connect`) while its transfers go through the object store, so that no
-    request waits for UCX's wire-up and no measurement counts it. Each transport is
-    measured on SAMPLES real transfers (the object store's first, while NIXL connects) and
-    the faster at its best carries the node's transfers (a transfer that waited for a core
-    is slower than its path, never faster); every RECHECK_S both are measured afresh. So a
-    fabric where NIXL's reads are slower than the object store (UCX with TCP only emulates
-    them) keeps the object store. A transfer that fails or times out measures 0 until the
-    next recheck.
+    request waits for UCX's wire-up and no measurement counts it. Both are measured on
+    real transfers (the object store's first, while NIXL connects; `NodeRates`) and the
+    faster at its best carries the node's transfers. So a fabric where NIXL's reads are
+    slower than the object store (UCX with TCP only emulates them) keeps the object store.
     """
-
-    SAMPLES = 3
-    RECHECK_S = 60.0
 
     def __init__(self, object_store: Transport, nixl: NixlTransport | None, mode: str) -> None:
         self.name = mode
         self._object_store = object_store
         self._nixl = nixl
         self._mode = mode
-        # node -> transport name -> (bytes/s of its measured transfers since the last
-        # recheck, when the first of them was measured); only nodes the Directory still
-        # lists a holder on: it goes out with every heartbeat
-        self._rates: dict[str, dict[str, tuple[list[float], float]]] = {}
+        # only of nodes the Directory still lists a holder on: they go out with every heartbeat
+        self._rates = NodeRates()
         self._holder_nodes = HolderNodes()
-        self._measuring: set[tuple[str, str]] = set()  # (node, transport) with a measurement in flight
 
     @property
     def nixl(self) -> NixlTransport | None:
@@ -519,7 +511,7 @@ class NodeTransports(Transport):
     def rates(self) -> dict[str, dict[str, float]]:
         """Per holder node measured so far ("auto"), each transport's best rate since its
         last recheck, in bytes/s."""
-        return {node: {name: max(rates) for name, (rates, _) in list(by.items())} for node, by in list(self._rates.items())}
+        return self._rates.best()
 
     def chosen(self, holder: ReplicaInfo) -> Transport:
         """The transport the next transfer from `holder` takes (not counting re-measures)."""
@@ -529,25 +521,30 @@ class NodeTransports(Transport):
             return self._nixl
         if not self._nixl.connected(holder):
             return self._object_store
-        rates = self._rates.get(holder.node_id, {})
-        measured = [t for t in (self._nixl, self._object_store) if t.name in rates]
-        if not measured:
-            return self._object_store
-        return max(measured, key=lambda t: max(rates[t.name][0]))
+        fastest = self._rates.fastest(holder.node_id, (self._nixl.name, self._object_store.name))
+        return self._nixl if fastest == self._nixl.name else self._object_store
 
     def start(
         self, holder: ReplicaInfo, reads: Sequence[RowRead], wake: Callable[[], None], into: Landing | None = None
     ) -> Transfer:
         self._holder_nodes.note(holder)
         nixl = self._nixl if self._mode == "auto" else None
-        stands_in = nixl is not None and nixl.endpoint_of(holder) is not None and not nixl.connected(holder)
+        if nixl is None or nixl.endpoint_of(holder) is None:
+            return self.chosen(holder).start(holder, reads, wake, into)
+        stands_in = not nixl.connected(holder)
         if stands_in:  # for NIXL, which connects meanwhile
             nixl.connect(holder)
-        measure = self._due(holder)
-        transfer = (measure or self.chosen(holder)).start(holder, reads, wake, into)
-        if measure is not None:
-            self._measuring.add((holder.node_id, measure.name))
-            transfer = _Timed(transfer, self, holder.node_id, len(reads) * holder.num_ranks * holder.slot_bytes)
+        candidates = (nixl, self._object_store) if nixl.connected(holder) else (self._object_store,)
+        measure = self._rates.start_measuring(holder.node_id, [t.name for t in candidates])
+        if measure is None:
+            transfer = self.chosen(holder).start(holder, reads, wake, into)
+        else:
+            try:
+                transfer = next(t for t in candidates if t.name == measure).start(holder, reads, wake, into)
+            except BaseException:
+                self._rates.measured(holder.node_id, measure, 0.0)
+                raise
+            transfer = _Timed(transfer, self._rates, holder.node_id, len(reads) * holder.num_ranks * holder.slot_bytes)
         transfer.stands_in = stands_in
         return transfer
 
@@ -560,9 +557,7 @@ class NodeTransports(Transport):
             self._nixl.admit(into)
 
     def forget_gone(self, replica_info: Callable[[str], ReplicaInfo | None]) -> None:
-        live = self._holder_nodes.live(replica_info)
-        for node_id in [node_id for node_id in self._rates if node_id not in live]:
-            del self._rates[node_id]
+        self._rates.keep_only(self._holder_nodes.live(replica_info))
         self._object_store.forget_gone(replica_info)
         if self._nixl is not None:
             self._nixl.forget_gone(replica_info)
@@ -571,27 +566,3 @@ class NodeTransports(Transport):
         self._object_store.close()
         if self._nixl is not None:
             self._nixl.close()
-
-    def _due(self, holder: ReplicaInfo) -> Transport | None:
-        """A transport due for a measurement from holder's node, if any ("auto" only)."""
-        if self._mode != "auto" or self._nixl is None or self._nixl.endpoint_of(holder) is None:
-            return None
-        now = time.monotonic()
-        by_transport = self._rates.get(holder.node_id, {})
-        for transport in (self._nixl, self._object_store) if self._nixl.connected(holder) else (self._object_store,):
-            rates, since = by_transport.get(transport.name, ([], now))
-            due = len(rates) < self.SAMPLES or now - since > self.RECHECK_S
-            if due and (holder.node_id, transport.name) not in self._measuring:
-                return transport
-        return None
-
-    def _measured(self, node_id: str, transport: str, rate: float) -> None:
-        self._measuring.discard((node_id, transport))
-        by_transport, now = self._rates.setdefault(node_id, {}), time.monotonic()
-        rates, since = by_transport.get(transport, ([], now))
-        if not rate:  # failed: no more of it until the next recheck
-            by_transport[transport] = ([0.0] * self.SAMPLES, now)
-        elif now - since > self.RECHECK_S:
-            by_transport[transport] = ([rate], now)
-        else:
-            by_transport[transport] = (rates + [rate], since)

@@ -14,7 +14,8 @@ from distkv.transfer.endpoint_seal import EndpointSeal, new_secret
 from distkv.names import segment_name
 from distkv.storage.pool import PAGE_BYTES, HostPool, PoolLayout
 from distkv.replica.join import node_transports
-from distkv.transfer.transport import NodeTransports, RowRead, Transfer, Transport
+from distkv.transfer.node_rates import NodeRates
+from distkv.transfer.transport import NodeTransports, RowRead, Transfer, Transport, _Timed
 
 ENDPOINT = b"a sealed endpoint"
 SEAL = EndpointSeal("ns", new_secret(), "")
@@ -130,7 +131,7 @@ def test_one_slow_transfer_does_not_hand_a_node_to_the_slower_transport(transpor
     object_store, nixl = transports
     chooser = NodeTransports(object_store, nixl, "auto")
     b = holder("b")
-    measure(chooser, b, clock, {"nixl": [0.001, 0.002, 0.030], "object_store": [0.004] * NodeTransports.SAMPLES})
+    measure(chooser, b, clock, {"nixl": [0.001, 0.002, 0.030], "object_store": [0.004] * NodeRates.SAMPLES})
     assert chooser.chosen(b) is nixl
 
 
@@ -169,9 +170,28 @@ def test_auto_keeps_the_object_store_where_nixl_measured_slower(transports, cloc
     measure(chooser, b, clock, {"nixl": [0.010] * 3, "object_store": [0.002] * 3})
     assert chooser.start(b, READS, lambda: None).transport == "object_store"
     # once RECHECK_S has passed, both are measured afresh
-    clock[0] += NodeTransports.RECHECK_S + 1
-    measure(chooser, b, clock, {"nixl": [0.0001] * 3, "object_store": [0.002] * 3})
+    clock[0] += NodeRates.RECHECK_S + 1
+    measure(chooser, b, clock, {"nixl": [0.0005] * 3, "object_store": [0.002] * 3})
     assert chooser.chosen(b) is nixl
+
+
+def test_a_transport_outpaced_many_times_is_not_measured_again_until_the_recheck(transports, clock):
+    """Its measurements would be requests' transfers, each that much slower."""
+    object_store, nixl = transports
+    chooser = NodeTransports(object_store, nixl, "auto")
+    b = holder("b")
+    first, second = chooser.start(b, READS, lambda: None), chooser.start(b, READS, lambda: None)
+    complete(first, clock, 0.0001)
+    complete(second, clock, 0.0002 * NodeRates.OUTPACED)
+    taken = []
+    for _ in range(8):
+        transfer = chooser.start(b, READS, lambda: None)
+        taken.append(transfer.transport)
+        if isinstance(transfer, _Timed):
+            complete(transfer, clock, 0.0001)
+    assert taken == ["nixl"] * 8 and len(nixl.started) == 9 and len(object_store.started) == 1
+    clock[0] += NodeRates.RECHECK_S + 1
+    assert [chooser.start(b, READS, lambda: None).transport for _ in range(2)] == ["nixl", "object_store"]
 
 
 def test_a_failed_transfer_measures_nothing_but_zero(transports, clock):
