@@ -207,6 +207,21 @@ def test_a_failed_transfer_measures_nothing_but_zero(transports, clock):
     assert chooser.chosen(b) is object_store
 
 
+def test_a_transfer_that_does_not_start_measures_zero(transports, clock):
+    object_store, nixl = transports
+    chooser = NodeTransports(object_store, nixl, "auto")
+    b = holder("b")
+
+    def refuse(*args, **kwargs):
+        raise ConnectionError("no agent there")
+
+    nixl.start = refuse
+    with pytest.raises(ConnectionError, match="no agent there"):
+        chooser.start(b, READS, lambda: None)
+    assert chooser.rates()["b"]["nixl"] == 0.0
+    assert chooser.start(b, READS, lambda: None).transport == "object_store"
+
+
 def test_nodes_are_measured_apart(transports, clock):
     object_store, nixl = transports
     chooser = NodeTransports(object_store, nixl, "auto")
