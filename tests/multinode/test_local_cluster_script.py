@@ -64,9 +64,14 @@ def test_two_ray_start_nodes_run_the_demo_and_are_stopped():
     assert summary["nodes"] == 2
     assert summary["mismatches"] == 0
     assert summary["blocks_verified"] > 0
-    for arm in ("distkv", "distkv-router"):
-        transfers = summary["arms"][arm]["transfers"]
-        assert transfers["cross_node_promotion"]["blocks"] > 0, f"{arm}: no block crossed the two nodes"
+    # Serve's default router lands requests away from their prefixes: blocks cross the nodes
+    transfers = summary["arms"]["distkv"]["transfers"]
+    assert transfers["cross_node_promotion"]["blocks"] > 0, "distkv: no block crossed the two nodes"
+    # distkv's router sends requests to the replicas holding their prefixes, through the
+    # Directory of the two nodes (whether it also pulls across them depends on the load: in
+    # one run of 30 requests it did not)
+    routed = summary["arms"]["distkv-router"]["routed"]
+    assert routed["holder"] > 0, f"distkv-router: no request was routed to a holder of its prefix: {routed}"
 
     assert len(node_pids) == 2  # each node's `ray start --block` carries the marker too
     assert processes_of(work_dir) == []
