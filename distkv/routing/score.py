@@ -1,8 +1,9 @@
 """The routing rule: each candidate replica scored by the time to first token expected there.
 
-    expected(c) = ahead(c)                                         the work c has to do first
-                + min(pull(c, path, n_pull), prefill(c) * n_pull)  blocks another replica holds
-                + prefill(c) * (blocks - own(c) - n_pull)          blocks nobody holds for it
+    expected(c) = ahead(c)                                       the work c has to do first
+                + pull(c, path, n_pull) if c pulls them            blocks another replica holds
+                  else prefill * n_pull
+                + prefill * (blocks - own(c) - n_pull)             blocks nobody holds for it
 
 `own(c)`: the leading blocks of the prompt in c's own pool (they cost nothing); `n_pull`: the
 blocks after those that another replica holds, pulled on `path` (the same node when a
@@ -11,7 +12,10 @@ will choose (`distkv.routing.pull_gate`: the same rule, the same measurements). 
 terms are the request's compute on c (`ExpectedTTFT.compute`); `ahead(c)` the compute and
 overhead of the requests sent to c before it (`distkv.routing.work_ahead`). A replica's costs
 are what its pull gate measured, sent in its routing stats (`Costs.from_estimates`); what it
-has not measured yet is taken from `PRIOR`, measured on the demo (docs/routing.md). With no
+has not measured yet is taken from `PRIOR`, measured on the demo (docs/routing.md). `prefill`
+is the candidates' median prefill cost per block: a deployment's replicas run one model on
+like hardware, and the differences between their measurements are noise that, followed,
+starves the replicas measured higher of the requests that would correct them. With no
 Directory answer every candidate holds nothing and the rule is the least work ahead.
 """
 
@@ -19,6 +23,7 @@ from __future__ import annotations
 
 import math
 import random
+import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -127,19 +132,23 @@ class ExpectedTTFT:
     def __init__(self, rng: random.Random | None = None) -> None:
         self._rng = rng or random.Random()
 
-    def compute(self, c: Candidate, held: HeldPrefix) -> float:
-        """Seconds of c's pulls and prefill for the prompt."""
+    def compute(self, c: Candidate, held: HeldPrefix, prefill_s_per_block: float) -> float:
+        """Seconds of c's pulls and prefill for the prompt, a block's prefill taking
+        `prefill_s_per_block`; c pulls what its own gate would pull."""
         own, pull, path = held.split(c)
         costs = c.costs
-        pulled = min(costs.pull(path, pull), costs.recompute(pull)) if pull else 0.0
-        return pulled + costs.recompute(held.blocks - own - pull)
+        if pull and costs.pull(path, pull) < costs.recompute(pull):
+            return costs.pull(path, pull) + prefill_s_per_block * (held.blocks - own - pull)
+        return prefill_s_per_block * (held.blocks - own)
 
     def expected(self, c: Candidate, held: HeldPrefix) -> float:
-        return c.ahead_s + self.compute(c, held)
+        """c's score alone, at its own prefill cost."""
+        return c.ahead_s + self.compute(c, held, c.costs.prefill_s_per_block)
 
     def rank(self, candidates: Sequence[Candidate], held: HeldPrefix) -> list[tuple[Candidate, float]]:
         """The candidates, best first (equal scores in random order), each with its compute."""
-        computes = [self.compute(c, held) for c in candidates]
+        prefill = statistics.median(c.costs.prefill_s_per_block for c in candidates)
+        computes = [self.compute(c, held, prefill) for c in candidates]
         order = sorted(
             range(len(candidates)), key=lambda i: (candidates[i].ahead_s + computes[i], self._rng.random())
         )

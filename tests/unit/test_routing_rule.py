@@ -2,6 +2,8 @@
 fake queue lengths, and a Directory that is a coroutine the test controls."""
 
 import asyncio
+import collections
+import dataclasses
 import random
 
 import pytest
@@ -62,6 +64,19 @@ def test_a_pull_that_costs_more_than_the_prefill_is_scored_as_the_prefill():
     c = Candidate("b", "b", "node-1", 0, slow)
     held = HeldPrefix(held_by(("a", "node-1")), len(KEYS))
     assert ExpectedTTFT().expected(c, held) == pytest.approx(32 * 0.003)
+
+
+def test_replicas_measured_apart_are_priced_alike_so_that_neither_is_starved():
+    """A deployment's replicas run one model on like hardware: the difference between their
+    measured prefill costs is noise. Followed, it would send the one measured lower every
+    request its work ahead allows, and the other none that could correct its measurement."""
+    low, high = dataclasses.replace(COSTS, prefill_s_per_block=0.004), dataclasses.replace(COSTS, prefill_s_per_block=0.006)
+    cands = [Candidate("a", "a", "node-1", 0.0, low), Candidate("b", "b", "node-1", 0.0, high)]
+    held = HeldPrefix(held_by(("a", "node-1"), ("b", "node-1"), blocks=28), len(KEYS))  # 4 blocks held by neither
+    score = ExpectedTTFT(random.Random(0))
+    assert [compute for _, compute in score.rank(cands, held)] == pytest.approx([4 * 0.005] * 2)  # the median
+    firsts = collections.Counter(score.rank(cands, held)[0][0].key for _ in range(200))
+    assert firsts["a"] > 50 and firsts["b"] > 50
 
 
 def test_with_no_answer_the_least_busy_replica_gets_the_request():
