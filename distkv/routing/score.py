@@ -136,9 +136,10 @@ class ExpectedTTFT:
         """Seconds of c's pulls and prefill for the prompt, a block's prefill taking
         `prefill_s_per_block`; c pulls what its own gate would pull."""
         own, pull, path = held.split(c)
-        costs = c.costs
-        if pull and costs.pull(path, pull) < costs.recompute(pull):
-            return costs.pull(path, pull) + prefill_s_per_block * (held.blocks - own - pull)
+        if pull:
+            pulled = c.costs.pull(path, pull)
+            if pulled < c.costs.recompute(pull):
+                return pulled + prefill_s_per_block * (held.blocks - own - pull)
         return prefill_s_per_block * (held.blocks - own)
 
     def expected(self, c: Candidate, held: HeldPrefix) -> float:
