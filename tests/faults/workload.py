@@ -10,6 +10,7 @@ replica crashed, the hit rate back within 10 s, nothing leaked.
 
 from __future__ import annotations
 
+import concurrent.futures.thread
 import os
 import signal
 import sys
@@ -105,8 +106,10 @@ class FaultReplica:
         return os.getpid()
 
     def threads(self) -> tuple[int, int]:
-        """(Python threads, OS threads) of this process."""
-        return threading.active_count(), psutil.Process().num_threads()
+        """(Python threads outside thread pools, OS threads) of this process. A pool's
+        workers are no leak: it starts them as its work first needs them, up to its size."""
+        pooled = sum(1 for t in threading.enumerate() if getattr(t, "_target", None) is concurrent.futures.thread._worker)
+        return threading.active_count() - pooled, psutil.Process().num_threads()
 
     def block(self, key: bytes) -> tuple[int, int] | None:
         return self.replica.manager.local.block(key)
