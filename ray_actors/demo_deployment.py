@@ -20,11 +20,14 @@ from typing import Any
 import torch
 from ray import serve
 
-from distkv.demo.engine import ModelReplica, demo_spec, pick_device
+from distkv.demo.engine import ModelReplica, demo_spec, pick_device, stacks_printed_if_stuck
 from distkv.demo.model import ModelConfig
 from distkv.demo.request import DemoRequest
 from distkv.replica.specs import ClusterOffloadingSpec, LocalOffloadingSpec
 
+# A step of the engine (a request, or a switch of arms) running this long is stuck: its
+# replica prints its stacks, well before the demo's client gives up on it.
+STUCK_S = 60.0
 ENGINE_SPECS = {"distkv": ClusterOffloadingSpec, "own_pool": LocalOffloadingSpec, "off": LocalOffloadingSpec}
 
 
@@ -43,6 +46,10 @@ class DemoEngine:
         await asyncio.get_running_loop().run_in_executor(self._thread, self._switch, config)
 
     def _switch(self, config: Mapping[str, Any]) -> None:
+        with stacks_printed_if_stuck(STUCK_S):
+            self._switch_engine(config)
+
+    def _switch_engine(self, config: Mapping[str, Any]) -> None:
         if self.engine is not None:
             self.engine.shutdown()
             self.engine = None
@@ -61,10 +68,11 @@ class DemoEngine:
     def _serve(self, request: DemoRequest, arrived: float) -> dict[str, Any]:
         started = time.perf_counter()
         tokens = request.prompt_token_ids
-        if self.offloading:
-            result = self.engine.serve(tokens, request.kv_transfer_params)
-        else:
-            result = self.engine.serve_without_offloading(tokens)
+        with stacks_printed_if_stuck(STUCK_S):
+            if self.offloading:
+                result = self.engine.serve(tokens, request.kv_transfer_params)
+            else:
+                result = self.engine.serve_without_offloading(tokens)
         result.update(queue_s=started - arrived, stats=self.engine.stats())
         return result
 
