@@ -20,7 +20,8 @@ from typing import Any
 import torch
 from ray import serve
 
-from distkv.demo.engine import ModelReplica, demo_spec, pick_device, stacks_printed_if_stuck
+from distkv.demo.engine import ModelReplica, demo_spec, pick_device
+from distkv.demo.stuck import stacks_printed_if_stuck
 from distkv.demo.model import ModelConfig
 from distkv.demo.request import DemoRequest
 from distkv.replica.specs import ClusterOffloadingSpec, LocalOffloadingSpec

@@ -8,11 +8,9 @@ and of each block it computed, and where its loaded blocks came from.
 
 from __future__ import annotations
 
-import contextlib
-import faulthandler
 import importlib.util
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from types import SimpleNamespace
 from typing import Any
 
@@ -39,18 +37,6 @@ def pick_device() -> str:
     if torch.cuda.is_available() and importlib.util.find_spec("cupy") is not None:
         return "cuda"
     return "cpu"
-
-
-@contextlib.contextmanager
-def stacks_printed_if_stuck(seconds: float) -> Iterator[None]:
-    """Print every thread's stack to stderr (which Ray forwards to the driver) if the block
-    runs past `seconds`: a request stuck in a replica then says where it is stuck, on
-    whichever node the replica runs. One such block at a time per process."""
-    faulthandler.dump_traceback_later(seconds)
-    try:
-        yield
-    finally:
-        faulthandler.cancel_dump_traceback_later()
 
 
 def demo_spec(

@@ -37,12 +37,16 @@ from distkv.demo.engine import demo_spec
 from distkv.demo.model import ModelConfig
 from distkv.demo.report import ArmTally, Verifier, summarize
 from distkv.demo.request import DemoRequest
+from distkv.demo.stuck import stacks_printed_if_stuck
 from distkv.demo.table import format_table
 from distkv.demo.workload import Request, WorkloadConfig, generate
 from distkv.storage.segments import reclaim_stale_segments
 
 OBJECT_STORE_BYTES = 256 << 20  # per simulated node: promotions in flight are a few MiB
 REQUEST_TIMEOUT_S = 300.0  # no request finishing for that long means a replica is stuck
+# An arm's setup (its deployment, Directory and warm-up: seconds) running this long is stuck:
+# the driver prints its stacks, well before its waits give up at REQUEST_TIMEOUT_S.
+SETUP_STUCK_S = 120.0
 SKEW = 1.5  # `--skew` alone: the first of 4 system prompts draws 60% of the requests
 # how often Serve asks a replica for its routing stats (who it is, what its gate measured)
 ROUTING_STATS_PERIOD_S = 1.0
@@ -365,15 +369,16 @@ class Demo:
         deployment._version = self.run_id
         app = deployment.bind(f"demo{self.run_id}", self.model, self.args.block_tokens, self.max_prompt_tokens, threads)
         self._deployed = True
-        serve.run(app, name=APP, route_prefix=None, logging_config=SERVE_LOGGING)
-        self._forget_namespaces()  # the previous arm's engines are shut down
-        if arm.engine == "distkv":
-            namespace = demo_spec("namespace", extra_config, self.model, self.args.block_tokens).namespace
-            self._namespaces.append(namespace)
-            self._wait_for_directory(namespace, DistkvConfig.from_extra_config(extra_config).directory_shards)
-        # a handle of its own: a handle keeps the router it started with
-        handle = populated_handle(lambda: DeploymentHandle(DEPLOYMENT, APP), HANDLE_POPULATED_S, REQUEST_TIMEOUT_S)
-        asyncio.run(self._warm_up(handle, warmed))
+        with stacks_printed_if_stuck(SETUP_STUCK_S):
+            serve.run(app, name=APP, route_prefix=None, logging_config=SERVE_LOGGING)
+            self._forget_namespaces()  # the previous arm's engines are shut down
+            if arm.engine == "distkv":
+                namespace = demo_spec("namespace", extra_config, self.model, self.args.block_tokens).namespace
+                self._namespaces.append(namespace)
+                self._wait_for_directory(namespace, DistkvConfig.from_extra_config(extra_config).directory_shards)
+            # a handle of its own: a handle keeps the router it started with
+            handle = populated_handle(lambda: DeploymentHandle(DEPLOYMENT, APP), HANDLE_POPULATED_S, REQUEST_TIMEOUT_S)
+            asyncio.run(self._warm_up(handle, warmed))
         progress = Progress(arm.label, len(trace), self.log, status)
 
         def answered(*result: Any) -> None:

@@ -32,7 +32,7 @@ def run_script(*args: str) -> subprocess.CompletedProcess:
     except subprocess.TimeoutExpired:
         process.send_signal(signal.SIGTERM)  # the script stops its cluster on SIGTERM
         stdout, stderr = process.communicate(timeout=120)
-        pytest.fail(f"local_cluster.sh did not finish in {TIMEOUT_S} s; stderr:\n{stderr[-4000:]}")
+        pytest.fail(f"local_cluster.sh did not finish in {TIMEOUT_S} s; stderr:\n{stderr[-30000:]}")
     return subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
 
 

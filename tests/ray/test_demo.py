@@ -32,9 +32,13 @@ def demo_segments() -> set[str]:
 
 
 def run_demo(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "distkv", "demo", *args], capture_output=True, text=True, timeout=timeout
-    )
+    try:
+        return subprocess.run(
+            [sys.executable, "-m", "distkv", "demo", *args], capture_output=True, text=True, timeout=timeout
+        )
+    except subprocess.TimeoutExpired as e:  # what a stuck demo printed: its stacks, its replicas'
+        stderr = e.stderr.decode(errors="replace") if isinstance(e.stderr, bytes) else e.stderr or ""
+        pytest.fail(f"the demo did not finish in {timeout:.0f} s; its stderr ends:\n{stderr[-30000:]}")
 
 
 @pytest.fixture(scope="module")

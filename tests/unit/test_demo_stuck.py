@@ -4,7 +4,7 @@ import sys
 import threading
 import time
 
-from distkv.demo.engine import stacks_printed_if_stuck
+from distkv.demo.stuck import stacks_printed_if_stuck
 
 
 def test_a_block_running_past_its_limit_prints_every_threads_stack(tmp_path, monkeypatch):
