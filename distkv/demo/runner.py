@@ -44,6 +44,8 @@ from distkv.storage.segments import reclaim_stale_segments
 
 OBJECT_STORE_BYTES = 256 << 20  # per simulated node: promotions in flight are a few MiB
 REQUEST_TIMEOUT_S = 300.0  # no request finishing for that long means a replica is stuck
+# The longest the demo waits for an answer from one of distkv's actors before asking again.
+CALL_TIMEOUT_S = 10.0
 # An arm's setup (its deployment, Directory and warm-up: seconds) running this long is stuck:
 # the driver prints its stacks, well before its waits give up at REQUEST_TIMEOUT_S.
 SETUP_STUCK_S = 120.0
@@ -421,13 +423,23 @@ class Demo:
         shards = get_or_create_shards(namespace, num_shards)
         deadline = time.monotonic() + REQUEST_TIMEOUT_S
 
+        # A call to an actor as it dies may never be answered (the last arm's watcher goes with
+        # its shards; ray-project/ray#44083, #47204): each wait is bounded and asked again.
+        def registered() -> int:
+            try:
+                stats = ray.get([shard.stats.remote() for shard in shards], timeout=CALL_TIMEOUT_S)
+            except ray.exceptions.GetTimeoutError:
+                return 0
+            return min(s["replicas"] for s in stats)
+
         def watching() -> bool:
             try:
-                return ray.get(ray.get_actor(NODE_WATCHER_NAME, namespace=RAY_NAMESPACE).reads.remote()) > 0
-            except (ValueError, ray.exceptions.RayActorError):  # not made yet, or the last arm's, going
-                return False
+                watcher = ray.get_actor(NODE_WATCHER_NAME, namespace=RAY_NAMESPACE)
+                return ray.get(watcher.reads.remote(), timeout=CALL_TIMEOUT_S) > 0
+            except (ValueError, ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+                return False  # not made yet, or the last arm's, going
 
-        while min(s["replicas"] for s in ray.get([shard.stats.remote() for shard in shards])) < self.args.replicas:
+        while registered() < self.args.replicas:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"replicas not registered with the Directory in {REQUEST_TIMEOUT_S:.0f} s")
             time.sleep(0.05)
