@@ -2,5 +2,6 @@
 
 model: the transformer and its paged KV cache; workload: the trace and its oracle;
 arrivals: how the client sends the trace (a closed loop or an open one); engine: a replica
-serving the trace; report: totals, checks, table; runner: the command.
+serving the trace; report: totals, checks, table; stuck: the stacks a stuck step prints;
+runner: the command.
 """
