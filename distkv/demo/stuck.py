@@ -1,7 +1,7 @@
 """Where a stuck demo is stuck: every thread's stack printed when a step runs too long.
 
-The demo's hangs have been rare (about one run in twenty in some sessions, none in 32 in
-another) and never under a debugger; what a hang prints itself is what there is to go on.
+The demo's rare hangs have never come under a debugger; what a hang prints itself is what
+there is to go on (docs/benchmarks.md, session 46).
 """
 
 from __future__ import annotations
