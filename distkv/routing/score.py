@@ -142,10 +142,6 @@ class ExpectedTTFT:
                 return pulled + prefill_s_per_block * (held.blocks - own - pull)
         return prefill_s_per_block * (held.blocks - own)
 
-    def expected(self, c: Candidate, held: HeldPrefix) -> float:
-        """c's score alone, at its own prefill cost."""
-        return c.ahead_s + self.compute(c, held, c.costs.prefill_s_per_block)
-
     def rank(self, candidates: Sequence[Candidate], held: HeldPrefix) -> list[tuple[Candidate, float]]:
         """The candidates, best first (equal scores in random order), each with its compute."""
         prefill = statistics.median(c.costs.prefill_s_per_block for c in candidates)

@@ -63,7 +63,8 @@ def test_a_pull_that_costs_more_than_the_prefill_is_scored_as_the_prefill():
     slow = Costs(0.003, {"same_node": (0.5, 0.0), "cross_node": (0.5, 0.0)}, 0.0025)
     c = Candidate("b", "b", "node-1", 0, slow)
     held = HeldPrefix(held_by(("a", "node-1")), len(KEYS))
-    assert ExpectedTTFT().expected(c, held) == pytest.approx(32 * 0.003)
+    [(_, compute)] = ExpectedTTFT().rank([c], held)
+    assert c.ahead_s + compute == pytest.approx(32 * 0.003)
 
 
 def test_replicas_measured_apart_are_priced_alike_so_that_neither_is_starved():
