@@ -8,8 +8,9 @@ Serve's default router, and over each replica's own pool with Ray's PrefixCacheA
 An arm's figures depend on which arms ran before it in the same demo (docs/benchmarks.md,
 "Routing, session 37"), so the three compared arms take turns in each position: run i runs
 offloading off first, then the three rotated by i (a Latin square over every 3 runs).
-Three traces: the demo's default; `--skew` (one hot system prompt); a pool too small for the
-working set (`--pool-mib 32`). For each ratio the table gives the median of the runs and
+Three traces: the demo's default; `--skew` (one hot system prompt); pools too small for the
+working set (`--pool-mib 8`: 64 blocks a replica, under the 128 of the 4 system prompts alone,
+which the 4 replicas' pools together hold). For each ratio the table gives the median of the runs and
 every run's value, and where each arm's slowest requests (p99 and over) spent their time.
 The demo's own arguments pass through: `--rate 20` measures the same in an open loop.
 
@@ -36,7 +37,7 @@ sys.path.insert(0, str(ROOT))
 TRACES = {
     "default": [],
     "skew": ["--skew"],
-    "small_pool": ["--pool-mib", "32"],
+    "small_pool": ["--pool-mib", "8"],
 }
 # (trace, figure, arm, baseline, goal): each ratio the issue sets a goal for
 TARGETS = [
