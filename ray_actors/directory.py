@@ -29,6 +29,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from distkv.observability import metrics
 from distkv.abstract import OffloadKey
+from distkv.directory.node_table import follow_dead_nodes
 from distkv.directory.records import Cursor, Relayed, ReplicaInfo
 from distkv.directory.state import DirectoryState
 from distkv.directory.wire import (
@@ -55,6 +56,9 @@ SMALL_CALL_RETRIES = 3
 WATCH_EVERY_S = 1.0
 # How long a shard's poll of the cluster's NodeWatcher waits for a change of the dead nodes.
 DEAD_NODES_POLL_S = 30.0
+# How much later than that its answer may come before the poll is asked again of a fresh
+# handle (a call to a watcher as it dies may never be answered).
+DEAD_NODES_GRACE_S = 10.0
 # How long a replica at start waits for its Directory's first shard to say how many shards
 # it was made of.
 SHARD_COUNT_TIMEOUT_S = 30.0
@@ -328,24 +332,20 @@ class DirectoryShard:
         """Drop the replicas on nodes the cluster's NodeWatcher reports dead, as it reports
         them (and again every DEAD_NODES_POLL_S: a register from a node that died meanwhile)."""
         loop = asyncio.get_running_loop()
-        watcher, seen, failures = None, None, 0
-        while True:
-            try:
-                if watcher is None:
-                    watcher = await loop.run_in_executor(None, node_watcher)  # asks Ray's GCS
-                seen, dead = await watcher.dead_nodes.remote(seen, DEAD_NODES_POLL_S)
-            except Exception as e:  # the watcher's owner went, and it with it: another one
-                failures += 1
-                if failures == 1:
-                    logger.warning("directory: following the node watcher failed, asking again: %s", e)
-                watcher = None
-                await asyncio.sleep(min(DEAD_NODES_POLL_S, WATCH_EVERY_S * failures))
-                continue
-            failures = 0
+
+        def drop(dead: frozenset[str]) -> None:
             with self._lock:
                 before = self._state.cursor()
-                self._state.drop_nodes(frozenset(dead))
+                self._state.drop_nodes(dead)
             self._after_change(before)
+
+        await follow_dead_nodes(
+            lambda: loop.run_in_executor(None, node_watcher),  # asks Ray's GCS
+            lambda watcher, seen: watcher.dead_nodes.remote(seen, DEAD_NODES_POLL_S),
+            drop,
+            answer_within_s=DEAD_NODES_POLL_S + DEAD_NODES_GRACE_S,
+            retry_s=WATCH_EVERY_S,
+        )
 
 
 async def _run_on(loop: asyncio.AbstractEventLoop, fn, *args):

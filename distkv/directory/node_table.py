@@ -4,14 +4,18 @@ Each Directory shard drops the holders on nodes Ray reports dead. Reading the no
 a call to Ray's GCS, and a cluster may run a thousand shards (many namespaces, many shards
 each): one watcher per cluster reads it (`ray_actors.node_watcher`) and the shards follow
 what it saw (`DeadNodes.since`), each applying a change once (`DirectoryState.drop_nodes`),
-not the whole table every second. Plain data and logic, no Ray.
+not the whole table every second (`follow_dead_nodes`). Plain data and logic, no Ray.
 """
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import secrets
-from collections.abc import Iterable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from typing import Any, NamedTuple
+
+logger = logging.getLogger(__name__)
 
 
 class DeadNodesVersion(NamedTuple):
@@ -45,3 +49,33 @@ class DeadNodes:
         if seen == self.version:
             return None
         return self.version, self.dead
+
+
+async def follow_dead_nodes(
+    watcher: Callable[[], Awaitable[Any]],
+    poll: Callable[[Any, DeadNodesVersion | None], Awaitable[tuple[DeadNodesVersion, Iterable[str]]]],
+    drop: Callable[[frozenset[str]], None],
+    answer_within_s: float,
+    retry_s: float,
+) -> None:
+    """A shard's long poll of the cluster's watcher, forever: `drop` each set of dead nodes
+    it reports. `watcher()`: a handle to it (made if there is none); `poll(handle, seen)`:
+    its answer to a follower that has seen `seen`. An answer that fails, or does not come
+    within `answer_within_s`, is asked again of a fresh handle, `retry_s` times the failures
+    in a row later (`answer_within_s` at most): the watcher goes with the process that made it, and a call to an actor
+    as it dies may never be answered."""
+    handle, seen, failures = None, None, 0
+    while True:
+        try:
+            if handle is None:
+                handle = await watcher()
+            seen, dead = await asyncio.wait_for(poll(handle, seen), answer_within_s)
+        except Exception as e:  # TimeoutError among them
+            failures += 1
+            if failures == 1:
+                logger.warning("directory: following the node watcher failed, asking again: %r", e)
+            handle = None
+            await asyncio.sleep(min(retry_s * failures, answer_within_s))
+            continue
+        failures = 0
+        drop(frozenset(dead))
