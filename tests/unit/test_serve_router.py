@@ -19,6 +19,13 @@ from distkv.serve_router import DistkvRequestRouter, request_tokens  # noqa: E40
 DEPLOYMENT = DeploymentID(name="engine", app_name="test")
 TOKENS = np.random.default_rng(0).integers(0, 4096, 20 * 16).tolist()
 KEYS = block_keys(TOKENS, 16)
+# what each replica's pull gate measured (not the router's priors): a pull from its own node
+# costs less than one from the other, and either less than a prefill
+COSTS = {
+    "prefill_s": [0.0, 0.004],
+    "pull_s": {"same_node": [0.002, 0.0002], "cross_node": [0.004, 0.002]},
+    "step_s": 0.003,
+}
 
 
 class Replica:
@@ -28,7 +35,7 @@ class Replica:
         self.max_ongoing_requests, self.is_cross_language = 8, False
         self.routing_stats = {"distkv": {
             "replica_id": f"distkv-{name}", "node_id": node, "namespace": "ns", "directory_shards": 1,
-            "keys": {"kind": "seed", "block_tokens": 16}, "costs": {},
+            "keys": {"kind": "seed", "block_tokens": 16}, "costs": COSTS,
         }}
 
     async def get_queue_len(self, *, deadline_s: float) -> int:
