@@ -67,12 +67,12 @@ class Costs:
 # measured over 9 runs of bench/routing.py (4 replicas of the demo's model on 2 simulated nodes
 # of a 2-core machine, which other jobs shared): docs/routing.md, "The constants".
 PRIOR = Costs(
-    prefill_s_per_block=0.0044,
-    pull_s={"same_node": (0.0022, 0.00019), "cross_node": (0.0034, 0.00023)},
-    step_s=0.0028,
+    prefill_s_per_block=0.011,
+    pull_s={"same_node": (0.0087, 0.0010), "cross_node": (0.0053, 0.0045)},
+    step_s=0.0071,
 )
-PRIOR_SERVICE_S = 0.039
-PRIOR_OVERHEAD_S = 0.015
+PRIOR_SERVICE_S = 0.16
+PRIOR_OVERHEAD_S = 0.076
 
 
 @dataclass(frozen=True)
