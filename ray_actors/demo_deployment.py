@@ -21,13 +21,14 @@ import torch
 from ray import serve
 
 from distkv.demo.engine import ModelReplica, demo_spec, pick_device
-from distkv.demo.stuck import stacks_printed_if_stuck
+from distkv.demo.stuck import LoopWatch, stacks_printed_if_stuck
 from distkv.demo.model import ModelConfig
 from distkv.demo.request import DemoRequest
 from distkv.replica.specs import ClusterOffloadingSpec, LocalOffloadingSpec
 
-# A step of the engine (a request, or a switch of arms) running this long is stuck: its
-# replica prints its stacks, well before the demo's client gives up on it.
+# A step of the engine (a request, or a switch of arms) running this long, or the replica's
+# event loop running nothing as long, is stuck: its replica prints its stacks, well before
+# the demo's client gives up on it.
 STUCK_S = 60.0
 ENGINE_SPECS = {"distkv": ClusterOffloadingSpec, "own_pool": LocalOffloadingSpec, "off": LocalOffloadingSpec}
 
@@ -41,9 +42,12 @@ class DemoEngine:
         self.engine: ModelReplica | None = None
         self.offloading = False
         self._thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="distkv-demo-engine")
+        self._loop_watch: LoopWatch | None = None  # of the loop Serve runs its requests on
 
     async def reconfigure(self, config: Mapping[str, Any]) -> None:
         """Serve the arm `config` names from now on: {"arm", "engine", "extra_config"}."""
+        if self._loop_watch is None:
+            self._loop_watch = LoopWatch(asyncio.get_running_loop(), STUCK_S)
         await asyncio.get_running_loop().run_in_executor(self._thread, self._switch, config)
 
     def _switch(self, config: Mapping[str, Any]) -> None:
@@ -82,6 +86,8 @@ class DemoEngine:
         return engine.routing_stats() if engine is not None else {}
 
     def __del__(self) -> None:
+        if getattr(self, "_loop_watch", None) is not None:
+            self._loop_watch.close()
         thread = getattr(self, "_thread", None)
         if thread is not None:
             thread.shutdown(wait=True)
