@@ -10,8 +10,9 @@ An arm's figures depend on which arms ran before it in the same demo (docs/bench
 offloading off first, then the three rotated by i (a Latin square over every 3 runs).
 Three traces: the demo's default; `--skew` (one hot system prompt); pools too small for the
 working set (`--pool-mib 8`: 64 blocks a replica, under the 128 of the 4 system prompts alone,
-which the 4 replicas' pools together hold). For each ratio the table gives the median of the runs and
-every run's value, and where each arm's slowest requests (p99 and over) spent their time.
+which the 4 replicas' pools together hold). For each ratio the table gives the median of the
+runs and every run's value, and where each arm's slowest requests (p99 and over) spent their
+time.
 The demo's own arguments pass through: `--rate 20` measures the same in an open loop.
 
 `--overhead` times instead the routers' own decisions in this process (no Ray): Serve's

@@ -62,8 +62,8 @@ async def follow_dead_nodes(
     it reports. `watcher()`: a handle to it (made if there is none); `poll(handle, seen)`:
     its answer to a follower that has seen `seen`. An answer that fails, or does not come
     within `answer_within_s`, is asked again of a fresh handle, `retry_s` times the failures
-    in a row later (`answer_within_s` at most): the watcher goes with the process that made it, and a call to an actor
-    as it dies may never be answered."""
+    in a row later (`answer_within_s` at most): the watcher goes with the process that made
+    it, and a call to an actor as it dies may never be answered."""
     handle, seen, failures = None, None, 0
     while True:
         try:
