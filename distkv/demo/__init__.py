@@ -3,5 +3,5 @@
 model: the transformer and its paged KV cache; workload: the trace and its oracle;
 arrivals: how the client sends the trace (a closed loop or an open one); engine: a replica
 serving the trace; report: totals, checks, table; stuck: the stacks a stuck step prints;
-runner: the command.
+handles: a DeploymentHandle that can route; runner: the command.
 """

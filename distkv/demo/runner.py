@@ -34,6 +34,7 @@ from distkv.config import TRANSPORTS, DistkvConfig
 from distkv.demo.arms import ARMS, DEFAULT_ARMS, Arm, parse_arms
 from distkv.demo.arrivals import ClosedLoop, OpenLoop
 from distkv.demo.engine import demo_spec
+from distkv.demo.handles import ready_handle, request_router
 from distkv.demo.model import ModelConfig
 from distkv.demo.report import ArmTally, Verifier, summarize
 from distkv.demo.request import DemoRequest
@@ -53,9 +54,9 @@ SKEW = 1.5  # `--skew` alone: the first of 4 system prompts draws 60% of the req
 # how often Serve asks a replica for its routing stats (who it is, what its gate measured)
 ROUTING_STATS_PERIOD_S = 1.0
 APP, DEPLOYMENT = "distkv-demo", "engine"
-# how long a new handle's router may take to learn the deployment's replicas before the
-# handle is replaced (`populated_handle`); on an idle machine it takes one controller call
-HANDLE_POPULATED_S = 10.0
+# how long a new handle's router may take to learn the deployment's replicas and config
+# before the handle is replaced (`ready_handle`); on an idle machine it takes one controller call
+HANDLE_READY_S = 10.0
 # Serve's own logs at warnings only, without a line per request (the Ray dashboard has them)
 SERVE_LOGGING = {"log_level": "WARNING", "enable_access_log": False}
 
@@ -221,43 +222,6 @@ def _dashboard_port(usual: int = 8265) -> int:
     raise RuntimeError("no free port for the Ray dashboard")
 
 
-def _request_router(handle: Any) -> Any:
-    """The request router Serve made behind `handle`, in this process (Serve's internals:
-    None where they differ)."""
-    try:
-        return handle._router._asyncio_router.request_router
-    except AttributeError:
-        return None
-
-
-def populated_handle(make_handle: Callable[[], Any], wait_s: float, timeout_s: float, poll_s: float = 0.05) -> Any:
-    """A handle from `make_handle` whose router knows the deployment's replicas, waiting up
-    to `wait_s` for each and replacing one that still knows none; TimeoutError past `timeout_s`.
-
-    In Ray 2.60 a new handle's router learns the replicas from a long poll of its own, which
-    the process's shared long poll stops as soon as it delivers the router any update of the
-    deployment (Serve's router.py, `SharedRouterLongPollClient`), and a stopped poll drops
-    what it then receives. An update of the config alone, on its way from the arm's
-    `serve.run`, can so stop it before the replicas came: the router then waits for them until
-    they next change, and every request sent through it waits as long. A handle made after
-    that update came and went gets them.
-    """
-    deadline = time.monotonic() + timeout_s
-    while True:
-        handle = make_handle()
-        handle._init()  # its router starts following the deployment now
-        given_up = min(time.monotonic() + wait_s, deadline)
-        while not handle.running_replicas_populated():
-            if time.monotonic() > given_up:
-                break
-            time.sleep(poll_s)
-        else:
-            return handle
-        handle.shutdown()
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"no handle's router learned the deployment's replicas in {timeout_s:.0f} s")
-
-
 def _status(tally: ArmTally) -> str:
     return f"hit {tally.hit_rate:5.1%}  moved {tally.bytes_moved / 1e9:6.2f} GB"
 
@@ -379,7 +343,7 @@ class Demo:
                 self._namespaces.append(namespace)
                 self._wait_for_directory(namespace, DistkvConfig.from_extra_config(extra_config).directory_shards)
             # a handle of its own: a handle keeps the router it started with
-            handle = populated_handle(lambda: DeploymentHandle(DEPLOYMENT, APP), HANDLE_POPULATED_S, REQUEST_TIMEOUT_S)
+            handle = ready_handle(lambda: DeploymentHandle(DEPLOYMENT, APP), HANDLE_READY_S, REQUEST_TIMEOUT_S)
             asyncio.run(self._warm_up(handle, warmed))
         progress = Progress(arm.label, len(trace), self.log, status)
 
@@ -392,7 +356,7 @@ class Demo:
 
         asyncio.run(self.sending.send(call, trace, answered))
         progress.finish()
-        report_router(_request_router(handle))
+        report_router(request_router(handle))
         handle.shutdown()  # its router stops following the deployment
 
     async def _warm_up(self, handle: Any, warmed: Callable[[dict[str, Any]], None]) -> None:

@@ -13,6 +13,7 @@ import pytest
 
 pytest.importorskip("ray.serve")
 
+from distkv.demo.handles import ready_handle, request_router  # noqa: E402
 from distkv.demo.model import ModelConfig  # noqa: E402
 from distkv.demo.request import DemoRequest  # noqa: E402
 from distkv.replica.harness import block_keys  # noqa: E402
@@ -53,18 +54,15 @@ def deployment(ray_session):
         ),
     ).bind("routertest", MODEL, BLOCK_TOKENS, MAX_PROMPT, 1)
     serve.run(app, name="router-test", route_prefix=None)
-    handle = DeploymentHandle("engine", "router-test")
+    # a handle whose router has the replicas and its request router (`ready_handle`: the
+    # routing stats' updates can keep either from a new handle's router)
+    handle = ready_handle(lambda: DeploymentHandle("engine", "router-test"), wait_s=10.0, timeout_s=SETUP_TIMEOUT_S)
     try:
         yield handle
     finally:
         handle.shutdown()
         serve.delete("router-test")
         serve.shutdown()
-
-
-def the_router(handle):
-    """The handle's DistkvRequestRouter: Serve makes it in this process, behind the handle."""
-    return handle._router._asyncio_router.request_router
 
 
 def wait_for(condition, what: str) -> None:
@@ -88,7 +86,7 @@ def test_requests_go_to_the_prefixs_holder_while_it_is_idle_and_spread_once_it_i
     computed = dict(first["computed"])
     assert set(keys) <= set(computed)
 
-    router = the_router(handle)
+    router = request_router(handle)
     # every replica has said who it is, and the Directory knows the holder has the whole prefix
     wait_for(lambda: len(router.curr_replicas) == 3 and all(
         router.core.identity(r.routing_stats) is not None for r in router.curr_replicas.values()
