@@ -33,10 +33,9 @@ def routes(handle: Any) -> bool:
     Where Serve's internals differ, the replicas alone."""
     if not handle.running_replicas_populated():
         return False
-    router = _asyncio_router(handle)
     # the attribute, not the `request_router` property, which would make the router here,
-    # outside its event loop's thread
-    return router is None or not hasattr(router, "_request_router") or router._request_router is not None
+    # outside its event loop's thread; absent (internals differ): the replicas decide
+    return getattr(_asyncio_router(handle), "_request_router", True) is not None
 
 
 def ready_handle(make_handle: Callable[[], Any], wait_s: float, timeout_s: float, poll_s: float = 0.05) -> Any:
